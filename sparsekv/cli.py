@@ -1,0 +1,75 @@
+"""The `sparsekv` command line: model-info, eval (see `sparsekv --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _model_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from sparsekv.default_model import load_default_model, resolve_dtype
+    from sparsekv.families import model_shape
+
+    dtype = resolve_dtype(args.dtype, "--dtype")
+    if args.model == "default":
+        model, _ = load_default_model(dtype=dtype)
+    else:
+        from transformers import AutoConfig
+
+        model = AutoConfig.from_pretrained(args.model)
+    shape = model_shape(model)
+    per_tok = shape.kv_bytes_per_token(dtype)
+    full = shape.full_layers
+    grow = 2 * len(full) * shape.num_kv_heads * shape.head_dim * torch.empty((), dtype=dtype).element_size()
+    info = {
+        **shape.to_dict(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "kv_bytes_per_token_all_layers": per_tok,
+        "kv_bytes_per_token_full_layers": grow,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"model type        : {shape.model_type}")
+    print(f"layers            : {shape.num_layers} ({len(full)} full attention: {full})")
+    kinds = "".join("F" if t == "full_attention" else "s" for t in shape.layer_types)
+    print(f"layer types       : {kinds}   (F full, s sliding window {shape.sliding_window})")
+    print(f"query / KV heads  : {shape.num_attention_heads} / {shape.num_kv_heads}")
+    print(f"head dim          : {shape.head_dim}")
+    print(f"hidden size       : {shape.hidden_size}")
+    print(f"KV bytes per token: {per_tok} ({info['dtype']}, all layers); "
+          f"{grow} in the full-attention layers, which grow with the context")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsekv", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    mi = sub.add_parser("model-info", help="print layer types, KV heads, head dim, KV bytes/token")
+    mi.add_argument("--model", default="default", help="'default' (gemma-3-270m) or a local HF folder")
+    mi.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    mi.add_argument("--json", action="store_true", help="print JSON")
+    mi.set_defaults(func=_model_info)
+    try:
+        from sparsekv.evaluation.cli import add_eval_parser
+    except ImportError:
+        pass
+    else:
+        add_eval_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"sparsekv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The offline default model: bad input, the cache folder, and one real greedy generation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sparsekv import load_default_model
+from sparsekv.default_model import default_model_path, resolve_dtype
+
+
+def test_bad_dtype_names_the_argument():
+    with pytest.raises(ValueError, match=r"dtype='float13'.*allowed values: float32"):
+        load_default_model(dtype="float13")
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype(torch.int8)
+
+
+def test_bad_attn_implementation():
+    with pytest.raises(ValueError, match="attn_implementation='flash'.*sdpa, eager"):
+        load_default_model(attn_implementation="flash")
+
+
+def test_dtype_aliases():
+    assert resolve_dtype("bf16") is torch.bfloat16
+    assert resolve_dtype("torch.float16") is torch.float16
+    assert resolve_dtype(torch.float32) is torch.float32
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path))
+    assert default_model_path().parent == tmp_path
+
+
+@pytest.mark.integration
+def test_default_model_generates_deterministically(default_model):
+    model, tok = default_model
+    assert model.config.num_hidden_layers == 18
+    assert [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"] == [5, 11, 17]
+    inputs = tok("The capital of France is", return_tensors="pt")
+    out1 = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    out2 = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out1, out2)
+    text = tok.decode(out1[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert text == " the capital of the country of France. It is the largest"
+
+
+@pytest.mark.integration
+def test_second_load_is_fast(default_model):
+    t0 = time.perf_counter()
+    load_default_model()
+    assert time.perf_counter() - t0 < 5.0
