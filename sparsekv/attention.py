@@ -1,0 +1,184 @@
+"""Per-layer attention for caches whose layers hold different entries.
+
+transformers builds one attention mask per forward, sized from the first full-attention layer.
+After eviction every budgeted layer (and every KV head in it) holds its own entries, so that
+mask is wrong for them. sparsekv registers, through transformers' own extension points
+(`AttentionInterface` and `AttentionMaskInterface`), an attention implementation named
+`sparsekv_<base>` for base in {sdpa, eager}:
+
+- its mask function returns a `MaskRequest` that remembers how the standard mask would be built
+  (and the 2-D padding mask), building it only if a layer needs it;
+- its attention function asks the `EvictingLayer` that was just updated for this module (see
+  `claim_layer`) for a per-layer, per-head mask built from the stored entries' absolute
+  positions, runs the base attention with it, then lets the layer observe the step (scores and
+  eviction). Layers without an evicting cache layer use the standard mask unchanged, so a model
+  switched to `sparsekv_sdpa` behaves exactly like `sdpa` with any other cache.
+
+Registration happens when a `SparseKVCache` is built, not on import.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sparsekv.families import eager_attention_function, softcap
+
+BASE_IMPLEMENTATIONS = ("sdpa", "eager")
+_registered: set[str] = set()
+_local = threading.local()
+
+
+class MaskRequest:
+    """What the model asked the mask function for; builds the standard mask on demand."""
+
+    def __init__(self, base: str, kwargs: dict[str, Any]):
+        self.base = base
+        self.kwargs = kwargs
+        self._mask: Any = None
+        self._built = False
+
+    @property
+    def padding(self) -> torch.Tensor | None:
+        """`(batch, tokens_seen)` bool, True for real tokens, or None when nothing is padded."""
+        m = self.kwargs.get("attention_mask")
+        return m if isinstance(m, torch.Tensor) and m.ndim == 2 else None
+
+    def standard(self):
+        if not self._built:
+            from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+            self._mask = ALL_MASK_ATTENTION_FUNCTIONS[self.base](**self.kwargs)
+            self._built = True
+        return self._mask
+
+
+def implementation_name(base: str) -> str:
+    if base not in BASE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attn_implementation={base!r} is not supported by sparsekv; allowed values: "
+            f"{', '.join(BASE_IMPLEMENTATIONS)}"
+        )
+    return f"sparsekv_{base}"
+
+
+def base_implementation(name: str) -> str:
+    """The plain implementation behind `name` ("sparsekv_sdpa" -> "sdpa"; "sdpa" -> "sdpa")."""
+    return name.removeprefix("sparsekv_")
+
+
+def register(base: str) -> str:
+    """Register `sparsekv_<base>` with transformers (idempotent) and return its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    name = implementation_name(base)
+    if name in _registered:
+        return name
+
+    def mask_fn(**kwargs):
+        return MaskRequest(base, kwargs)
+
+    def attn_fn(module, query, key, value, attention_mask, **kwargs):
+        return _attention(base, module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(name, attn_fn)
+    AttentionMaskInterface.register(name, mask_fn)
+    _registered.add(name)
+    return name
+
+
+def announce_layer(layer_idx: int, layer) -> None:
+    """Called by an evicting layer's `update`: the next attention call of `layer_idx` is ours."""
+    pending = getattr(_local, "pending", None)
+    if pending is None:
+        pending = _local.pending = {}
+    pending[layer_idx] = layer
+
+
+def claim_layer(layer_idx: int):
+    pending = getattr(_local, "pending", None)
+    return pending.pop(layer_idx, None) if pending else None
+
+
+def _base_function(base: str, module: nn.Module) -> Callable:
+    if base == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    return eager_attention_function(module)
+
+
+def expand_heads(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """`(batch, kv_heads, q, k)` -> `(batch, kv_heads * groups, q, k)` (query-head order of GQA)."""
+    if groups == 1:
+        return mask
+    b, h, q, k = mask.shape
+    return mask[:, :, None].expand(b, h, groups, q, k).reshape(b, h * groups, q, k)
+
+
+def _attention(base, module, query, key, value, attention_mask, **kwargs):
+    request = attention_mask if isinstance(attention_mask, MaskRequest) else None
+    fn = _base_function(base, module)
+    layer = claim_layer(module.layer_idx)
+    if layer is None:
+        mask = request.standard() if request is not None else attention_mask
+        return fn(module, query, key, value, mask, **kwargs)
+
+    groups = query.shape[1] // key.shape[1]
+    layer.note_padding(request.padding if request is not None else None)
+    kv_mask = layer.attention_mask(query.shape[2])  # (batch, kv_heads, q, k) bool, or None
+    mask = None
+    if kv_mask is not None:
+        mask = expand_heads(kv_mask, groups)
+        if base == "eager":
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~mask, torch.finfo(query.dtype).min
+            )
+    if kv_mask is None and query.shape[2] > 1 and query.shape[2] != key.shape[2]:
+        raise RuntimeError("internal error: a multi-token step needs an explicit mask")
+    out, weights = fn(module, query, key, value, mask, **kwargs)
+    layer.observe(
+        module=module,
+        query=query,
+        kv_mask=kv_mask,
+        scaling=kwargs.get("scaling") or module.head_dim**-0.5,
+        softcap=kwargs.get("softcap", softcap(module)),
+    )
+    return out, weights
+
+
+def received_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    kv_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    block_size: int = 256,
+) -> torch.Tensor:
+    """Attention probability each key receives, summed over the given queries and over the query
+    heads of its KV group.
+
+    query `(batch, heads, q, dim)`, key `(batch, kv_heads, k, dim)`, kv_mask
+    `(batch, kv_heads, q, k)` bool (True = may attend) or None (every query sees every key).
+    Returns `(batch, kv_heads, k)` float32. Queries are processed `block_size` at a time, so the
+    peak extra memory is O(block_size x k), never q x k.
+    """
+    b, hq, q, d = query.shape
+    hk, k = key.shape[1], key.shape[2]
+    g = hq // hk
+    out = torch.zeros(b, hk, k, dtype=torch.float32, device=query.device)
+    kf = key.float()
+    for s in range(0, q, block_size):
+        qb = query[:, :, s : s + block_size].float().reshape(b, hk, g, -1, d)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qb, kf) * scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if kv_mask is not None:
+            logits = logits.masked_fill(~kv_mask[:, :, None, s : s + block_size], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        out += probs.sum(dim=(2, 3))
+    return out

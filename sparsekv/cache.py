@@ -1,0 +1,455 @@
+"""`SparseKVCache`: a transformers cache whose budgeted layers keep only the entries a policy
+scores highest, and free the rest.
+
+The cache only selects, gathers and keeps positions right; scores come from a `Policy`
+(`sparsekv.policies`). Per budgeted layer an `EvictingLayer` stores
+
+    keys, values  (batch, kv_heads, stored, head_dim)   dense, after RoPE
+    positions     (batch, kv_heads, stored)             absolute slot index, -1 = padding
+    scores        (batch, kv_heads, stored)             the policy's latest scores
+    observed      (batch, kv_heads, stored)             attention received since the last re-rank
+
+and keeps `seen` (tokens processed) apart from `stored`, so positions and masks stay right after
+eviction: `get_seq_length()` reports tokens seen (what generation and RoPE need), while the
+attention mask of each layer is rebuilt from its own positions (`sparsekv.attention`).
+
+Life of a step: `update` appends the new keys/values; attention runs over them with a per-layer,
+per-head mask; then `observe` asks the policy for scores and evicts:
+- after a multi-token (prefill) step: down to the layer's capacity;
+- after a decode step: only once the layer exceeds capacity by `evict_slack` (incremental);
+- every `rerank_every` decode steps: a global re-rank (the policy rescored with the attention
+  the kept entries received since the last re-rank), then down to capacity.
+Sinks (first real tokens) and the recent window are always kept; padding never displaces a
+real token. Eviction gathers the kept rows into new tensors: memory is freed, not masked.
+
+With `prefill_chunk=N` a forward pre-hook on the model splits long prompts into N-token
+forwards, evicting after each, so peak KV memory is bounded by budget + chunk. The returned
+logits then cover the last chunk only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+
+from sparsekv import attention as attn
+from sparsekv.config import EvictionConfig
+from sparsekv.families import attention_modules, model_shape, text_config
+from sparsekv.policies import Policy, ScoreContext
+from sparsekv.policies import get as get_policy
+from sparsekv.schedules import layer_capacity, layer_fractions
+
+
+class _Shared:
+    """State common to all layers of one cache (no tensors of the model)."""
+
+    def __init__(self, config: EvictionConfig, policy: Policy, num_budgeted: int):
+        self.config = config
+        self.policy = policy
+        self.num_budgeted = num_budgeted
+        self.first_valid: torch.Tensor | None = None  # (batch,) index of the first real token
+        self.evictions = 0
+
+
+class EvictingLayer(DynamicLayer):
+    """One budgeted layer: dense kept entries plus their positions and scores."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, shared: _Shared, layer_idx: int, budget_rank: int, fraction: float):
+        super().__init__()
+        self.shared = shared
+        self.layer_idx = layer_idx
+        self.budget_rank = budget_rank
+        self.fraction = fraction
+        self.seen = 0
+        self.num_new = 0
+        self.positions: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+        self.observed: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+        self.has_padding = False
+        self.decode_steps = 0
+        self.evicted = False
+
+    # ---- transformers' layer protocol -------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        b, h = key_states.shape[:2]
+        self.keys = key_states.new_empty((b, h, 0, key_states.shape[-1]))
+        self.values = value_states.new_empty((b, h, 0, value_states.shape[-1]))
+        self.positions = torch.empty((b, h, 0), dtype=torch.long, device=self.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, q, _ = key_states.shape
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        new_pos = torch.arange(self.seen, self.seen + q, device=self.device).expand(b, h, q)
+        self.positions = torch.cat([self.positions, new_pos], dim=-1)
+        self.seen += q
+        self.num_new = q
+        attn.announce_layer(self.layer_idx, self)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (not stored): what positions and generation need."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Only used if a standard mask is ever built for this layer; sparsekv's attention
+        # builds its own from `positions`.
+        stored = self.keys.shape[-2] if self.is_initialized else 0
+        return stored + query_length, 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.__init__(self.shared, self.layer_idx, self.budget_rank, self.fraction)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.evicted:
+            raise RuntimeError(
+                "SparseKVCache.crop() after eviction is not supported: the evicted entries are gone. "
+                "Crop before the first eviction, or rebuild the cache."
+            )
+        n = abs(tokens_to_remove)
+        if n == 0 or not self.is_initialized:
+            return
+        self._take(slice(None, -n))
+        self.seen -= n
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(
+            "beam search is not supported by SparseKVCache (beams would need per-beam eviction "
+            "histories); use greedy or sampling (num_beams=1)"
+        )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            for name in ("keys", "values", "positions", "scores", "observed"):
+                t = getattr(self, name)
+                if t is not None:
+                    setattr(self, name, t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            for name in ("keys", "values", "positions", "scores", "observed"):
+                t = getattr(self, name)
+                if t is not None:
+                    setattr(self, name, t[indices])
+
+    # ---- masks ------------------------------------------------------------------------------
+    def note_padding(self, padding: torch.Tensor | None) -> None:
+        """Mark the new entries that are padding (`padding`: `(batch, seen)` bool, True = real)."""
+        if padding is None:
+            return
+        padding = padding.to(self.device, torch.bool)
+        if padding.all():
+            return
+        q = self.num_new
+        real = padding[:, self.seen - q : self.seen]  # (batch, q)
+        if real.shape[-1] != q:
+            raise ValueError(
+                f"attention_mask covers {padding.shape[-1]} tokens but the cache has seen {self.seen}; "
+                "pass the mask of all tokens so far (past + new)"
+            )
+        new = self.positions[..., -q:]
+        self.positions[..., -q:] = torch.where(real[:, None, :], new, torch.full_like(new, -1))
+        self.has_padding = True
+        self.shared.first_valid = (padding.long().cumsum(-1) == 0).sum(-1)  # leading pads
+
+    def attention_mask(self, q: int) -> torch.Tensor | None:
+        """`(batch, kv_heads, q, stored)` bool (True = attend) for the last `q` queries, or None
+        when every query may see every stored entry (a single unpadded query)."""
+        if q == 1 and not self.has_padding:
+            return None
+        qpos = torch.arange(self.seen - q, self.seen, device=self.device)
+        pos = self.positions[:, :, None, :]
+        return (pos <= qpos[None, None, :, None]) & (pos >= 0)
+
+    # ---- scoring and eviction ---------------------------------------------------------------
+    def capacity(self) -> int:
+        return layer_capacity(self.shared.config, self.fraction, self.seen)
+
+    def _context(self, phase: str, query=None, attention=None) -> ScoreContext:
+        n_old = self.keys.shape[-2] - self.num_new
+        prev = None if self.scores is None else self.scores[..., :n_old]
+        return ScoreContext(
+            layer_idx=self.layer_idx,
+            phase=phase,
+            keys=self.keys,
+            values=self.values,
+            positions=self.positions,
+            num_new=self.num_new,
+            tokens_seen=self.seen,
+            prev_scores=prev,
+            attention=attention,
+            observed=self.observed,
+            queries=query,
+            hidden_states=self.hidden,
+            budget_rank=self.budget_rank,
+            num_budgeted=self.shared.num_budgeted,
+        )
+
+    def _attention_stats(self, query, kv_mask, scaling, softcap):
+        policy = self.shared.policy
+        which = policy.attention_queries
+        if which is None and not policy.tracks_observed:
+            return None
+        q = query.shape[2]
+        n = {"all": q, "last": 1, "window": min(policy.window, q), None: q}[which]
+        if policy.tracks_observed and q == 1:
+            n = 1
+        m = None if kv_mask is None else kv_mask[:, :, -n:]
+        return attn.received_attention(query[:, :, -n:], self.keys, m, scaling, softcap)
+
+    def _set_scores(self, scores: torch.Tensor) -> None:
+        expected = tuple(self.positions.shape)
+        if tuple(scores.shape) != expected:
+            raise ValueError(
+                f"policy {self.shared.policy.name!r} returned scores of shape {tuple(scores.shape)}; "
+                f"expected (batch, kv_heads, seq) = {expected}"
+            )
+        self.scores = torch.nan_to_num(scores.float(), nan=float("-inf"))
+
+    def observe(self, module, query, kv_mask, scaling, softcap) -> None:
+        """After attention: score the new entries, then evict as the step's phase requires."""
+        policy, cfg = self.shared.policy, self.shared.config
+        phase = "prefill" if self.num_new > 1 else "decode"
+        att = self._attention_stats(query, kv_mask, scaling, softcap)
+        if policy.tracks_observed and att is not None:
+            grown = torch.zeros_like(att)
+            if self.observed is not None:
+                grown[..., : self.observed.shape[-1]] = self.observed
+            self.observed = grown + att
+        self._set_scores(policy.score(self._context(phase, query, att)))
+        self.num_new, self.hidden = 0, None
+        if not policy.evicts:
+            return
+        if phase == "prefill":
+            self.evict(self.capacity())
+            return
+        self.decode_steps += 1
+        if cfg.rerank_every and self.decode_steps >= cfg.rerank_every:
+            self.rerank()
+        elif self.keys.shape[-2] > self.capacity() + cfg.evict_slack:
+            self.evict(self.capacity())
+
+    def rerank(self) -> None:
+        """Global re-rank: rescore every kept entry (with the attention observed since the last
+        re-rank), evict down to capacity, and start a new observation period."""
+        self._set_scores(self.shared.policy.score(self._context("rerank")))
+        self.evict(self.capacity())
+        if self.observed is not None:
+            self.observed = torch.zeros_like(self.observed)
+        self.decode_steps = 0
+
+    def protected(self) -> torch.Tensor:
+        """`(batch, kv_heads, stored)` bool: sinks and the recent window."""
+        cfg = self.shared.config
+        pos = self.positions
+        first = self.shared.first_valid
+        start = first.to(self.device)[:, None, None] if first is not None else 0
+        sinks = (pos >= 0) & (pos < start + cfg.sink_tokens)
+        recent = pos >= self.seen - cfg.recent_window
+        return sinks | recent
+
+    def evict(self, capacity: int) -> None:
+        """Keep the `capacity` best entries per head (at least the protected ones)."""
+        stored = self.keys.shape[-2]
+        if stored <= capacity:
+            return
+        prot = self.protected()
+        k = min(stored, max(capacity, int(prot.sum(-1).max())))
+        if k == stored:
+            return
+        eff = self.scores.masked_fill(prot, float("inf")).masked_fill(self.positions < 0, float("-inf"))
+        keep = eff.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values  # (batch, heads, k)
+        self._take(keep)
+        self.evicted = True
+        self.shared.evictions += 1
+
+    def _take(self, index) -> None:
+        """Keep entries `index` (a slice, or `(batch, heads, k)` indices) of every per-entry tensor."""
+        for name in ("keys", "values", "positions", "scores", "observed"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if isinstance(index, slice):
+                t = t[:, :, index]
+            elif t.ndim == 4:
+                t = t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))
+            else:
+                t = t.gather(2, index)
+            setattr(self, name, t)
+
+
+class SparseKVCache(Cache):
+    """A KV cache that keeps, per budgeted layer, only what `policy` scores highest.
+
+    Args:
+        model: the transformers causal LM this cache serves (Llama, Mistral, Qwen2/3, Gemma 3).
+        config: an `EvictionConfig`.
+        policy: a policy name (`sparsekv.policies.available()`) or a `Policy` instance.
+
+    Pass it as `cache=` to `model(...)` or `model.generate(...)`. Building it switches the model
+    to the `sparsekv_<sdpa|eager>` attention implementation (identical to the base one for any
+    other cache) and, when needed, installs hooks; `close()` (or leaving a `with` block, or the
+    cache being garbage-collected) removes them.
+    """
+
+    def __init__(self, model, config: EvictionConfig, policy: str | Policy = "snapkv"):
+        if not isinstance(config, EvictionConfig):
+            raise ValueError(f"config must be an EvictionConfig, got {type(config).__name__}")
+        if config.quantize is not None:
+            raise NotImplementedError(f"quantize={config.quantize!r} is not available in this cache yet")
+        self.model = model
+        self.config = config
+        self.policy = get_policy(policy)
+        shape = model_shape(model)
+        self.shape = shape
+        budgeted = shape.full_layers
+        if not budgeted:
+            raise ValueError(
+                f"{shape.model_type} has no full-attention layer: every layer slides over a window of "
+                f"{shape.sliding_window} tokens, so there is nothing for a budget to bound"
+            )
+        schedule = self.policy.schedule or config.schedule
+        fractions = layer_fractions(config, len(budgeted), schedule)
+        self.shared = _Shared(config, self.policy, len(budgeted))
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config(model))
+        layers: list[Any] = []
+        for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
+            if i in budgeted:
+                r = budgeted.index(i)
+                layers.append(EvictingLayer(self.shared, i, r, fractions[r]))
+            else:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
+        super().__init__(layers=layers)
+        self.budgeted_layers = budgeted
+        self._hooks: list[Any] = []
+        self._in_chunked_prefill = False
+        self._use_sparse_attention(model)
+        self._install_hooks(model)
+        self._finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
+
+    # ---- public measurements ----------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes held right now by the key and value tensors of all layers."""
+        total = 0
+        for layer in self.layers:
+            if getattr(layer, "is_initialized", False) and layer.keys is not None:
+                total += layer.keys.nbytes + layer.values.nbytes
+        return total
+
+    def layer_lengths(self) -> list[int]:
+        """Entries stored per layer (sliding layers included)."""
+        return [
+            layer.keys.shape[-2] if getattr(layer, "is_initialized", False) and layer.keys is not None else 0
+            for layer in self.layers
+        ]
+
+    def tokens_seen(self) -> int:
+        """Absolute number of tokens processed so far."""
+        return max((layer.get_seq_length() for layer in self.layers), default=0)
+
+    def budgets(self) -> dict[int, int]:
+        """Capacity of each budgeted layer at the current number of tokens seen."""
+        return {layer.layer_idx: layer.capacity() for layer in self.layers if isinstance(layer, EvictingLayer)}
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove the hooks this cache installed on the model."""
+        self._finalizer()
+
+    def __enter__(self) -> "SparseKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SparseKVCache(policy={self.policy!r}, config={self.config}, budgeted_layers={self.budgeted_layers})"
+
+    # ---- wiring into the model --------------------------------------------------------------
+    @staticmethod
+    def _use_sparse_attention(model) -> None:
+        current = text_config(model)._attn_implementation or "eager"
+        if current.startswith("sparsekv_"):
+            return
+        name = attn.register(current)
+        model.set_attn_implementation(name)
+
+    def _install_hooks(self, model) -> None:
+        ref = weakref.ref(self)
+        if self.policy.needs_hidden_states:
+            modules = attention_modules(model)
+            for i in self.budgeted_layers:
+                layer = self.layers[i]
+                self._hooks.append(
+                    modules[i].register_forward_pre_hook(_capture_hidden(ref, layer), with_kwargs=True)
+                )
+        if self.config.prefill_chunk:
+            self._hooks.append(model.register_forward_pre_hook(_chunk_prefill(ref), with_kwargs=True))
+
+
+def _remove_hooks(hooks: list) -> None:
+    for h in hooks:
+        h.remove()
+    hooks.clear()
+
+
+def _capture_hidden(ref, layer: EvictingLayer):
+    def hook(module, args, kwargs):
+        cache = ref()
+        if cache is not None and kwargs.get("cache") is cache:
+            layer.hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+    return hook
+
+
+def _chunk_prefill(ref):
+    """Forward pre-hook on the model: run all but the last chunk of a long input as separate
+    forwards through this cache (each followed by eviction), then let the call go on with the
+    last chunk."""
+
+    def hook(module, args, kwargs):
+        cache = ref()
+        if cache is None or kwargs.get("cache") is not cache or cache._in_chunked_prefill:
+            return None
+        if args:
+            kwargs = {"input_ids": args[0], **kwargs}
+        ids = kwargs.get("input_ids")
+        chunk = cache.config.prefill_chunk
+        if ids is None or ids.shape[1] <= chunk:
+            return None
+        n = ids.shape[1]
+        seen = cache.tokens_seen()
+        mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        last = n - ((n - 1) % chunk + 1)  # start of the final chunk
+        cache._in_chunked_prefill = True
+        try:
+            with torch.no_grad():
+                for s in range(0, last, chunk):
+                    e = s + chunk
+                    module(
+                        input_ids=ids[:, s:e],
+                        attention_mask=None if mask is None else mask[:, : seen + e],
+                        position_ids=None if pos is None else pos[:, s:e],
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+        finally:
+            cache._in_chunked_prefill = False
+        kwargs["input_ids"] = ids[:, last:]
+        if pos is not None:
+            kwargs["position_ids"] = pos[:, last:]
+        return (), kwargs
+
+    return hook

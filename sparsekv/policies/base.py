@@ -1,0 +1,121 @@
+"""The policy contract: a policy only scores; the cache selects, gathers and keeps positions.
+
+`Policy.score(ctx)` returns a float tensor of shape `(batch, kv_heads, seq)` with one score per
+entry currently stored in the layer (old entries first, then the `ctx.num_new` new ones), higher
+= keep. Scores may be -inf/+inf; the cache overrides them for protected entries (sinks, recent
+window) and padding. A policy keeps no state of its own: what it needs from the past comes in
+`ctx.prev_scores` (its own scores from the previous call, already gathered to the kept entries)
+and `ctx.observed` (attention received since the last re-rank, tracked by the cache).
+
+The cache computes only the statistics a policy asks for through its class attributes:
+- `attention_queries`: None, "last", "window" or "all": which of the new queries' attention
+  probabilities are summed into `ctx.attention` `(batch, kv_heads, seq)` (over the queries and
+  over the query heads sharing each KV head).
+- `window`: the number of queries for "window" (SnapKV's observation window).
+- `needs_hidden_states`: the layer's attention inputs `(batch, new, hidden)` in `ctx.hidden_states`.
+- `tracks_observed`: keep `ctx.observed`, the attention each kept entry received from every query
+  since the last re-rank (costs one extra q·K per decode step).
+- `evicts`: False for the full cache.
+- `schedule`: a schedule this method implies (PyramidKV), else None (the config's is used).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+PHASES = ("prefill", "decode", "rerank")
+
+
+@dataclass
+class ScoreContext:
+    """Everything a policy may read for one layer at one step. Shapes in the field comments."""
+
+    layer_idx: int
+    phase: str  # "prefill" (a multi-token chunk), "decode" (one token) or "rerank"
+    keys: torch.Tensor  # (batch, kv_heads, seq, head_dim), after RoPE, all stored entries
+    values: torch.Tensor  # (batch, kv_heads, seq, head_dim)
+    positions: torch.Tensor  # (batch, kv_heads, seq) absolute slot index; -1 = padding
+    num_new: int  # the last `num_new` entries arrived in this step (0 at a re-rank)
+    tokens_seen: int  # absolute number of tokens processed, this step included
+    prev_scores: torch.Tensor | None = None  # (batch, kv_heads, seq - num_new) or None at the start
+    attention: torch.Tensor | None = None  # (batch, kv_heads, seq) see `attention_queries`
+    observed: torch.Tensor | None = None  # (batch, kv_heads, seq) attention since the last re-rank
+    queries: torch.Tensor | None = None  # (batch, heads, new, head_dim) the new queries, after RoPE
+    hidden_states: torch.Tensor | None = None  # (batch, new, hidden) attention inputs of new tokens
+    budget_rank: int = 0  # index of this layer among the budgeted layers (0 = shallowest)
+    num_budgeted: int = 1
+
+    def carry(self, fill: float = 0.0) -> torch.Tensor:
+        """`prev_scores` extended with `fill` for the new entries: `(batch, kv_heads, seq)`."""
+        b, h, n = self.positions.shape
+        out = self.positions.new_full((b, h, n), fill, dtype=torch.float32)
+        if self.prev_scores is not None and self.prev_scores.shape[-1]:
+            out[..., : self.prev_scores.shape[-1]] = self.prev_scores
+        return out
+
+
+class Policy:
+    """Base class of every scoring method. Subclasses set `name` and implement `score`."""
+
+    name: ClassVar[str] = "base"
+    attention_queries: ClassVar[str | None] = None
+    window: int = 1
+    needs_hidden_states: ClassVar[bool] = False
+    tracks_observed: bool = False
+    evicts: ClassVar[bool] = True
+    schedule: ClassVar[str | None] = None
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        """Return `(batch, kv_heads, seq)` scores for every stored entry; higher = keep."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+_REGISTRY: dict[str, Callable[..., Policy]] = {}
+
+
+def register(name: str) -> Callable:
+    """Class decorator: `@register("h2o")` makes `policies.get("h2o", **kwargs)` build it."""
+
+    def deco(cls):
+        if not name or not name.replace("_", "").isalnum() or name != name.lower():
+            raise ValueError(f"policy name {name!r} must be lower-case letters, digits and '_'")
+        if name in _REGISTRY:
+            raise ValueError(f"policy {name!r} is already registered")
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def available() -> list[str]:
+    """Names `get` accepts."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str | Policy, **kwargs) -> Policy:
+    """Build a policy by name (`policies.get("snapkv", window=32)`); a Policy passes through.
+
+    `"learned:<dir or hub id>"` loads a `ScorerAdapter` and wraps it in the learned policy.
+    """
+    if isinstance(name, Policy):
+        if kwargs:
+            raise ValueError("kwargs are not accepted with a Policy instance")
+        return name
+    if not isinstance(name, str):
+        raise ValueError(f"policy={name!r} must be a name; known policies: {', '.join(available())}")
+    if name.startswith("learned:"):
+        kwargs = {"adapter": name.split(":", 1)[1], **kwargs}
+        name = "learned"
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(available())}")
+    try:
+        return _REGISTRY[name](**kwargs)
+    except TypeError as e:
+        raise ValueError(f"bad arguments for policy {name!r}: {e}") from e

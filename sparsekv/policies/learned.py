@@ -1,0 +1,56 @@
+"""The learned policy: a trained gating head scores each token once, when it enters the cache.
+
+At a global re-rank the head's prior can be blended with the attention the kept entries actually
+received since the last re-rank (`blend` in [0, 1]; 0 = prior only). Both are turned into
+per-head standard scores before mixing so that neither scale dominates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.policies.base import Policy, ScoreContext, register
+
+
+def _standardize(x: torch.Tensor) -> torch.Tensor:
+    finite = torch.isfinite(x)
+    xf = torch.where(finite, x, torch.zeros_like(x))
+    cnt = finite.sum(-1, keepdim=True).clamp_min(1)
+    mean = xf.sum(-1, keepdim=True) / cnt
+    var = (torch.where(finite, x - mean, torch.zeros_like(x)) ** 2).sum(-1, keepdim=True) / cnt
+    return torch.where(finite, (x - mean) / (var.sqrt() + 1e-6), x)
+
+
+@register("learned")
+class LearnedPolicy(Policy):
+    """Scores from a `ScorerAdapter` (gating head on each layer's attention inputs)."""
+
+    needs_hidden_states = True
+
+    def __init__(self, adapter, blend: float = 0.0, window: int = 32):
+        from sparsekv.adapter import ScorerAdapter
+
+        if not (0.0 <= blend <= 1.0):
+            raise ValueError(f"blend={blend!r} must be in [0, 1]")
+        if isinstance(adapter, str):
+            adapter = ScorerAdapter.from_pretrained(adapter)
+        self.adapter = adapter
+        self.blend = float(blend)
+        self.window = window
+        # With blending on, the cache tracks the attention kept entries receive (observed) and
+        # also hands over the prompt's observation-window attention at prefill.
+        self.tracks_observed = self.blend > 0
+        self.attention_queries = "window" if self.blend > 0 else None
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        out = ctx.carry()
+        if ctx.num_new:
+            new = self.adapter.score_layer(ctx.layer_idx, ctx.hidden_states)  # (b, kv_heads, new)
+            out[..., out.shape[-1] - ctx.num_new :] = new.to(out.dtype)
+        if self.blend > 0:
+            obs = ctx.attention if ctx.phase == "prefill" else (ctx.observed if ctx.phase == "rerank" else None)
+            if obs is not None:
+                prior = _standardize(out)
+                seen = _standardize(torch.log(obs.float().clamp_min(1e-9)))
+                return (1 - self.blend) * prior + self.blend * seen
+        return out

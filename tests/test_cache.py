@@ -1,0 +1,286 @@
+"""SparseKVCache behaviour: equivalence, exactness against a masked reference, memory freed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAMILIES, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import masked_reference, run_sparse
+
+from sparsekv import EvictionConfig, SparseKVCache, policies
+
+HEURISTICS = [p for p in policies.available() if p != "learned"]
+
+
+def _ids(b=1, n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (b, n), generator=g)
+
+
+def _left_padded(b=3, n=36, seed=1):
+    ids = _ids(b, n, seed)
+    mask = torch.ones(b, n, dtype=torch.long)
+    for i in range(1, b):
+        pad = 5 * i
+        ids[i, :pad] = 0
+        mask[i, :pad] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_full_budget_generates_like_dynamic_cache(family, impl):
+    model = tiny_model(family, impl)
+    for ids, mask in [(_ids(), None), _left_padded()]:
+        kw = {} if mask is None else {"attention_mask": mask}
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
+        for name in HEURISTICS:
+            cache = SparseKVCache(model, EvictionConfig(budget=1.0, rerank_every=2), name)
+            out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
+            assert torch.equal(out, ref), (family, impl, name)
+
+
+def test_sampling_matches_dynamic_cache_with_full_budget():
+    model = tiny_model("llama")
+    ids = _ids()
+    torch.manual_seed(3)
+    ref = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=20)
+    torch.manual_seed(3)
+    cache = SparseKVCache(model, EvictionConfig(budget=1.0), "h2o")
+    out = model.generate(ids, cache=cache, max_new_tokens=8, do_sample=True, top_k=20)
+    assert torch.equal(out, ref)
+
+
+def _max_error(logits, ref, steps, mask=None):
+    err, s = 0.0, 0
+    for j, q in enumerate(steps):
+        e = s + q
+        rows = slice(None) if mask is None else mask[:, e - 1].bool()
+        err = max(err, (logits[j][rows, -1] - ref[rows, e - 1]).abs().max().item())
+        s = e
+    return err
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "pyramidkv", "tova", "knorm", "random", "streaming"])
+def test_logits_equal_masked_full_attention(family, name):
+    model = tiny_model(family)
+    ids = _ids(2, 60)
+    steps = [40] + [1] * 20
+    cfg = EvictionConfig(budget=0.3, recent_window=4, sink_tokens=2, rerank_every=5, evict_slack=2)
+    cache = SparseKVCache(model, cfg, name)
+    logits, snaps = run_sparse(model, cache, ids, steps)
+    ref = masked_reference(model, ids, steps, snaps, cache.budgeted_layers)
+    assert _max_error(logits, ref, steps) < 1e-4
+    # The test can fail: the full cache's logits differ once entries were evicted.
+    full = model(input_ids=ids).logits
+    assert (full[:, -1] - logits[-1][:, -1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_chunked_steps_and_left_padding_match_reference(impl):
+    model = tiny_model("gemma3", impl)
+    ids, mask = _left_padded(3, 48)
+    steps = [16, 16, 8] + [1] * 8
+    cfg = EvictionConfig(budget=0.4, recent_window=4, sink_tokens=2, rerank_every=3, evict_slack=1)
+    cache = SparseKVCache(model, cfg, "h2o")
+    logits, snaps = run_sparse(model, cache, ids, steps, attention_mask=mask)
+    ref = masked_reference(model, ids, steps, snaps, cache.budgeted_layers, attention_mask=mask)
+    assert _max_error(logits, ref, steps, mask) < 1e-4
+    # Padding never displaces a real token: a padded row keeps as many real entries as fit.
+    for i in cache.budgeted_layers:
+        pos = cache.layers[i].positions
+        real = (pos >= 0).sum(-1)
+        assert (real == pos.shape[-1]).all() or (real == (mask.sum(-1)[:, None])).all()
+
+
+def test_kept_entries_are_exactly_the_top_scores():
+    model = tiny_model("llama")
+    cfg = EvictionConfig(budget=0.25, sink_tokens=3, recent_window=5)
+    cache = SparseKVCache(model, cfg, "knorm")
+    ids = _ids(2, 80)
+    layer = cache.layers[1]
+    captured = {}
+    original = layer.evict
+
+    def spy(capacity):
+        captured["scores"] = layer.scores.clone()
+        captured["positions"] = layer.positions.clone()
+        original(capacity)
+
+    layer.evict = spy
+    model(input_ids=ids, cache=cache)
+    scores, positions = captured["scores"], captured["positions"]
+    kept = layer.positions
+    assert kept.shape[-1] == 20
+    for b in range(2):
+        for h in range(kept.shape[1]):
+            protected = set(range(3)) | set(range(75, 80))
+            rest = [p for p in range(80) if p not in protected]
+            order = sorted(rest, key=lambda p: -scores[b, h, (positions[b, h] == p).nonzero()[0, 0]].item())
+            expected = protected | set(order[: 20 - len(protected)])
+            assert set(kept[b, h].tolist()) == expected
+    # Heads choose their own tokens.
+    assert not torch.equal(kept[:, 0], kept[:, 1])
+
+
+def test_kv_bytes_counts_tensors_and_drops():
+    model = tiny_model("llama")
+    ids = _ids(1, 512)
+    full = SparseKVCache(model, EvictionConfig(budget=1.0), "full")
+    model(input_ids=ids, cache=full)
+    sparse = SparseKVCache(model, EvictionConfig(budget=0.25), "snapkv")
+    model(input_ids=ids, cache=sparse)
+    for cache in (full, sparse):
+        expected = sum(l.keys.numel() * l.keys.element_size() * 2 for l in cache.layers)
+        assert cache.kv_bytes() == expected
+    assert full.layer_lengths() == [512] * 4
+    assert sparse.layer_lengths() == [128] * 4
+    assert sparse.kv_bytes() == full.kv_bytes() // 4
+    assert sparse.tokens_seen() == 512
+
+
+def test_gemma_budget_applies_to_full_layers_only():
+    model = tiny_model("gemma3")
+    cache = SparseKVCache(model, EvictionConfig(budget=0.25, recent_window=8), "snapkv")
+    model(input_ids=_ids(1, 200), cache=cache)
+    lengths = cache.layer_lengths()
+    assert lengths[3] == 50  # the full-attention layer
+    assert lengths[:3] == [31, 31, 31]  # sliding layers as transformers keeps them (window 32)
+
+
+def test_pyramid_schedule_keeps_more_in_shallow_layers():
+    model = tiny_model("llama")
+    cache = SparseKVCache(model, EvictionConfig(budget=0.3, schedule="pyramid", recent_window=8), "snapkv")
+    model(input_ids=_ids(1, 200), cache=cache)
+    lengths = cache.layer_lengths()
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+    assert abs(sum(lengths) - 4 * 60) <= 4
+    assert SparseKVCache(model, EvictionConfig(budget=0.3), "pyramidkv").budgets() != {}
+
+
+def test_prefill_chunk_bounds_peak_memory():
+    model = tiny_model("llama")
+    ids = _ids(1, 600)
+    cfg = EvictionConfig(budget=64, prefill_chunk=50, recent_window=8)
+    cache = SparseKVCache(model, cfg, "snapkv")
+    peaks = []
+    layer = cache.layers[0]
+    original = layer.update
+
+    def spy(k, v, *a, **kw):
+        out = original(k, v, *a, **kw)
+        peaks.append(cache.layers[0].keys.shape[-2])
+        return out
+
+    layer.update = spy
+    out = model(input_ids=ids, cache=cache)
+    assert out.logits.shape[1] == 50  # the last chunk
+    assert len(peaks) == 12 and max(peaks) <= 64 + 50
+    assert cache.tokens_seen() == 600 and cache.layer_lengths() == [64] * 4
+    per_entry = 2 * 2 * 16 * 4  # K and V, 2 heads, head_dim 16, float32
+    assert cache.kv_bytes() == 4 * 64 * per_entry
+    # generate() goes through the same hook and keeps producing tokens.
+    cache2 = SparseKVCache(model, cfg, "snapkv")
+    gen = model.generate(ids, cache=cache2, max_new_tokens=4, do_sample=False)
+    assert gen.shape[1] == 604
+
+
+def test_decode_is_incremental_with_slack_and_reranks():
+    model = tiny_model("llama")
+    cfg = EvictionConfig(budget=0.5, recent_window=2, sink_tokens=1, rerank_every=4, evict_slack=3)
+    cache = SparseKVCache(model, cfg, "h2o")
+    ids = _ids(1, 40)
+    model(input_ids=ids, cache=cache)
+    assert cache.layer_lengths()[0] == 20
+    lengths = []
+    for t in range(8):
+        model(input_ids=ids[:, t : t + 1], cache=cache)
+        lengths.append(cache.layer_lengths()[0])
+    cap = [-(-(41 + t) // 2) for t in range(8)]
+    assert lengths[3] == cap[3] and lengths[7] == cap[7]  # re-ranks at steps 4 and 8
+    assert all(l <= c + 3 for l, c in zip(lengths, cap))
+    assert lengths[1] > cap[1]  # incremental: within the slack nothing is evicted
+
+
+def test_unsupported_things_fail_loudly():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="unknown policy 'nope'; known policies: full, h2o"):
+        SparseKVCache(model, EvictionConfig(budget=0.5), "nope")
+    cache = SparseKVCache(model, EvictionConfig(budget=0.25, recent_window=2), "snapkv")
+    model(input_ids=_ids(1, 64), cache=cache)
+    with pytest.raises(RuntimeError, match="crop"):
+        cache.crop(-2)
+    with pytest.raises((NotImplementedError, ValueError), match="beam"):
+        model.generate(_ids(1, 20), cache=SparseKVCache(model, EvictionConfig(budget=0.5), "snapkv"),
+                       num_beams=2, max_new_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"budget": 0.0}, "budget"),
+        ({"budget": 1.5}, "budget"),
+        ({"budget": 0}, "budget"),
+        ({"budget": "half"}, "budget"),
+        ({"budget": 0.3, "schedule": "zigzag"}, "schedule"),
+        ({"budget": 0.3, "schedule": [0.2, 1.2]}, "schedule"),
+        ({"budget": 0.3, "rerank_every": -1}, "rerank_every"),
+        ({"budget": 0.3, "prefill_chunk": 0}, "prefill_chunk"),
+        ({"budget": 0.3, "quantize": "int4"}, "quantize"),
+        ({"budget": 0.3, "pyramid_slope": 1.0}, "pyramid_slope"),
+    ],
+)
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EvictionConfig(**kwargs)
+
+
+def test_explicit_schedule_length_is_checked():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="4 budgeted layers"):
+        SparseKVCache(model, EvictionConfig(budget=0.3, schedule=[0.5, 0.2]), "snapkv")
+    cfg = EvictionConfig(budget=0.3, schedule=[0.8, 0.5, 0.3, 0.1], recent_window=4, sink_tokens=2)
+    cache = SparseKVCache(model, cfg, "snapkv")
+    model(input_ids=_ids(1, 100), cache=cache)
+    assert cache.layer_lengths() == [80, 50, 30, 10]
+
+
+def test_hooks_are_removed_on_close():
+    model = tiny_model("llama")
+    cache = SparseKVCache(model, EvictionConfig(budget=0.5, prefill_chunk=8), "snapkv")
+    assert model._forward_pre_hooks
+    cache.close()
+    assert not model._forward_pre_hooks
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    family=st.sampled_from(FAMILIES),
+    n=st.integers(8, 48),
+    budget=st.one_of(st.floats(0.05, 1.0), st.integers(1, 40)),
+    schedule=st.sampled_from(["uniform", "pyramid"]),
+    chunk=st.integers(3, 20),
+    decode=st.integers(0, 6),
+    rerank=st.integers(0, 4),
+    name=st.sampled_from(["h2o", "snapkv", "tova", "knorm", "random"]),
+)
+def test_property_random_configs_match_masked_reference(family, n, budget, schedule, chunk, decode, rerank, name):
+    model = _cached_model(family)
+    ids = _ids(1, n + decode, seed=n)
+    steps = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else []) + [1] * decode
+    cfg = EvictionConfig(budget=budget, schedule=schedule, rerank_every=rerank, sink_tokens=1,
+                         recent_window=2, evict_slack=1)
+    cache = SparseKVCache(model, cfg, name)
+    logits, snaps = run_sparse(model, cache, ids, steps)
+    ref = masked_reference(model, ids, steps, snaps, cache.budgeted_layers)
+    assert _max_error(logits, ref, steps) < 1e-4
+
+
+_MODELS: dict = {}
+
+
+def _cached_model(family):
+    if family not in _MODELS:
+        _MODELS[family] = tiny_model(family)
+    return _MODELS[family]
