@@ -43,6 +43,21 @@ from sparsekv.policies import get as get_policy
 from sparsekv.schedules import layer_capacity, layer_fractions
 
 
+_PER_ENTRY = ("keys", "values", "key_scale", "value_scale", "positions", "scores", "observed")
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per token and head: `(b, h, n, d)` -> int8 `(b, h, n, d)`
+    and scale `(b, h, n, 1)` in x's dtype. Rounding error <= scale / 2 = absmax / 254."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-8) / 127.0
+    q = torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale.to(x.dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.to(scale.dtype) * scale
+
+
 class _Shared:
     """State common to all layers of one cache (no tensors of the model)."""
 
@@ -75,27 +90,61 @@ class EvictingLayer(DynamicLayer):
         self.has_padding = False
         self.decode_steps = 0
         self.evicted = False
+        self.quantized = shared.config.quantize == "int8"
+        self.key_scale: torch.Tensor | None = None  # (batch, kv_heads, stored, 1) when quantized
+        self.value_scale: torch.Tensor | None = None
+        self._live: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's full-precision K, V
 
     # ---- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         b, h = key_states.shape[:2]
-        self.keys = key_states.new_empty((b, h, 0, key_states.shape[-1]))
-        self.values = value_states.new_empty((b, h, 0, value_states.shape[-1]))
+        store = torch.int8 if self.quantized else key_states.dtype
+        self.keys = key_states.new_empty((b, h, 0, key_states.shape[-1]), dtype=store)
+        self.values = value_states.new_empty((b, h, 0, value_states.shape[-1]), dtype=store)
         self.positions = torch.empty((b, h, 0), dtype=torch.long, device=self.device)
+        if self.quantized:
+            self.key_scale = key_states.new_empty((b, h, 0, 1))
+            self.value_scale = value_states.new_empty((b, h, 0, 1))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        if self.quantized:
+            # Stored as int8 with one scale per token and head; this step attends over the
+            # dequantized past plus the new entries at full precision.
+            keys = torch.cat([dequantize(self.keys, self.key_scale), key_states], dim=-2)
+            values = torch.cat([dequantize(self.values, self.value_scale), value_states], dim=-2)
+            kq, ks = quantize(key_states)
+            vq, vs = quantize(value_states)
+            self.keys, self.key_scale = torch.cat([self.keys, kq], -2), torch.cat([self.key_scale, ks], -2)
+            self.values, self.value_scale = torch.cat([self.values, vq], -2), torch.cat([self.value_scale, vs], -2)
+        else:
+            keys = self.keys = torch.cat([self.keys, key_states], dim=-2)
+            values = self.values = torch.cat([self.values, value_states], dim=-2)
+        self._live = (keys, values)
         new_pos = torch.arange(self.seen, self.seen + q, device=self.device).expand(b, h, q)
         self.positions = torch.cat([self.positions, new_pos], dim=-1)
         self.seen += q
         self.num_new = q
         attn.announce_layer(self.layer_idx, self)
+        return keys, values
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept keys and values in the model's dtype `(batch, kv_heads, stored, head_dim)`."""
+        if self._live is not None:
+            return self._live
+        if self.quantized:
+            return dequantize(self.keys, self.key_scale), dequantize(self.values, self.value_scale)
         return self.keys, self.values
+
+    def nbytes(self) -> int:
+        """Bytes held by this layer's key and value storage (int8 scales included)."""
+        if not self.is_initialized:
+            return 0
+        extra = 0 if self.key_scale is None else self.key_scale.nbytes + self.value_scale.nbytes
+        return self.keys.nbytes + self.values.nbytes + extra
 
     def get_seq_length(self) -> int:
         """Tokens seen (not stored): what positions and generation need."""
@@ -131,14 +180,14 @@ class EvictingLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            for name in ("keys", "values", "positions", "scores", "observed"):
+            for name in _PER_ENTRY:
                 t = getattr(self, name)
                 if t is not None:
                     setattr(self, name, t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            for name in ("keys", "values", "positions", "scores", "observed"):
+            for name in _PER_ENTRY:
                 t = getattr(self, name)
                 if t is not None:
                     setattr(self, name, t[indices])
@@ -179,11 +228,12 @@ class EvictingLayer(DynamicLayer):
     def _context(self, phase: str, query=None, attention=None) -> ScoreContext:
         n_old = self.keys.shape[-2] - self.num_new
         prev = None if self.scores is None else self.scores[..., :n_old]
+        keys, values = self.dense()
         return ScoreContext(
             layer_idx=self.layer_idx,
             phase=phase,
-            keys=self.keys,
-            values=self.values,
+            keys=keys,
+            values=values,
             positions=self.positions,
             num_new=self.num_new,
             tokens_seen=self.seen,
@@ -206,7 +256,7 @@ class EvictingLayer(DynamicLayer):
         if policy.tracks_observed and q == 1:
             n = 1
         m = None if kv_mask is None else kv_mask[:, :, -n:]
-        return attn.received_attention(query[:, :, -n:], self.keys, m, scaling, softcap)
+        return attn.received_attention(query[:, :, -n:], self.dense()[0], m, scaling, softcap)
 
     def _set_scores(self, scores: torch.Tensor) -> None:
         expected = tuple(self.positions.shape)
@@ -228,7 +278,7 @@ class EvictingLayer(DynamicLayer):
                 grown[..., : self.observed.shape[-1]] = self.observed
             self.observed = grown + att
         self._set_scores(policy.score(self._context(phase, query, att)))
-        self.num_new, self.hidden = 0, None
+        self.num_new, self.hidden, self._live = 0, None, None
         if not policy.evicts:
             return
         if phase == "prefill":
@@ -276,7 +326,7 @@ class EvictingLayer(DynamicLayer):
 
     def _take(self, index) -> None:
         """Keep entries `index` (a slice, or `(batch, heads, k)` indices) of every per-entry tensor."""
-        for name in ("keys", "values", "positions", "scores", "observed"):
+        for name in _PER_ENTRY:
             t = getattr(self, name)
             if t is None:
                 continue
@@ -306,8 +356,6 @@ class SparseKVCache(Cache):
     def __init__(self, model, config: EvictionConfig, policy: str | Policy = "snapkv"):
         if not isinstance(config, EvictionConfig):
             raise ValueError(f"config must be an EvictionConfig, got {type(config).__name__}")
-        if config.quantize is not None:
-            raise NotImplementedError(f"quantize={config.quantize!r} is not available in this cache yet")
         self.model = model
         self.config = config
         self.policy = get_policy(policy)
@@ -343,7 +391,9 @@ class SparseKVCache(Cache):
         """Bytes held right now by the key and value tensors of all layers."""
         total = 0
         for layer in self.layers:
-            if getattr(layer, "is_initialized", False) and layer.keys is not None:
+            if isinstance(layer, EvictingLayer):
+                total += layer.nbytes()
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
                 total += layer.keys.nbytes + layer.values.nbytes
         return total
 

@@ -284,3 +284,77 @@ def _cached_model(family):
     if family not in _MODELS:
         _MODELS[family] = tiny_model(family)
     return _MODELS[family]
+
+
+@pytest.mark.parametrize("dtype, ratio", [(torch.bfloat16, 0.57), (torch.float32, 0.32)])
+def test_int8_halves_bytes_and_stays_close(dtype, ratio):
+    model = tiny_model("llama").to(dtype)
+    ids = _ids(2, 200)
+    results = {}
+    for quantize in (None, "int8"):
+        cache = SparseKVCache(model, EvictionConfig(budget=0.3, quantize=quantize), "snapkv")
+        model(input_ids=ids, cache=cache)
+        steps = [model(input_ids=ids[:, i : i + 1], cache=cache).logits for i in range(8)]
+        results[quantize] = (cache.kv_bytes(), torch.cat(steps, 1).float(), cache.layer_lengths())
+    (b16, l16, n16), (b8, l8, n8) = results[None], results["int8"]
+    assert n16 == n8
+    # int8 entries + one scale per token and head (head_dim 16 here; 256 on gemma: ~0.51).
+    assert b8 / b16 <= ratio
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert (l8 - l16).abs().max() < tol
+
+
+def test_int8_round_trip_error_bound():
+    from sparsekv.cache import dequantize, quantize
+
+    x = torch.randn(2, 3, 50, 64)
+    q, s = quantize(x)
+    assert q.dtype == torch.int8 and s.shape == (2, 3, 50, 1)
+    err = (dequantize(q, s) - x).abs()
+    assert (err <= s / 2 + 1e-6).all()
+
+
+class _FakeAdapter:
+    """Scores a token by the first feature of its attention input (a stand-in for a head)."""
+
+    def __init__(self, kv_heads=2):
+        self.kv_heads = kv_heads
+        self.calls = []
+
+    def score_layer(self, layer_idx, hidden_states):
+        self.calls.append((layer_idx, tuple(hidden_states.shape)))
+        return hidden_states[..., 0][:, None, :].expand(-1, self.kv_heads, -1)
+
+
+def test_learned_policy_reads_attention_inputs():
+    model = tiny_model("llama")
+    adapter = _FakeAdapter()
+    cfg = EvictionConfig(budget=0.25, sink_tokens=0, recent_window=0)
+    cache = SparseKVCache(model, cfg, policies.get("learned", adapter=adapter))
+    captured = {}
+    hook = model.model.layers[2].input_layernorm.register_forward_hook(
+        lambda m, a, out: captured.setdefault("h", out)
+    )
+    ids = _ids(1, 64)
+    model(input_ids=ids, cache=cache)
+    hook.remove()
+    assert (2, (1, 64, 64)) in adapter.calls
+    expected = captured["h"][0, :, 0].topk(16).indices.sort().values
+    assert torch.equal(cache.layers[2].positions[0, 0], expected)
+    cache.close()
+
+
+def test_learned_blend_uses_observed_attention_at_rerank():
+    model = tiny_model("llama")
+    cfg = EvictionConfig(budget=0.3, rerank_every=2)
+    learned = policies.get("learned", adapter=_FakeAdapter(), blend=0.5)
+    assert learned.tracks_observed and learned.attention_queries == "window"
+    cache = SparseKVCache(model, cfg, learned)
+    ids = _ids(1, 50)
+    model(input_ids=ids[:, :40], cache=cache)
+    for t in range(40, 44):
+        model(input_ids=ids[:, t : t + 1], cache=cache)
+    layer = cache.layers[0]
+    assert layer.observed is not None and layer.observed.shape == layer.positions.shape
+    with pytest.raises(ValueError, match="blend"):
+        policies.get("learned", adapter=_FakeAdapter(), blend=2.0)

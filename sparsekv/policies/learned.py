@@ -12,13 +12,13 @@ import torch
 from sparsekv.policies.base import Policy, ScoreContext, register
 
 
-def _standardize(x: torch.Tensor) -> torch.Tensor:
+def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head mean and standard deviation over the finite entries of `(batch, heads, seq)`."""
     finite = torch.isfinite(x)
-    xf = torch.where(finite, x, torch.zeros_like(x))
     cnt = finite.sum(-1, keepdim=True).clamp_min(1)
-    mean = xf.sum(-1, keepdim=True) / cnt
-    var = (torch.where(finite, x - mean, torch.zeros_like(x)) ** 2).sum(-1, keepdim=True) / cnt
-    return torch.where(finite, (x - mean) / (var.sqrt() + 1e-6), x)
+    mean = torch.where(finite, x, 0.0).sum(-1, keepdim=True) / cnt
+    var = (torch.where(finite, x - mean, 0.0) ** 2).sum(-1, keepdim=True) / cnt
+    return mean, var.sqrt() + 1e-6
 
 
 @register("learned")
@@ -28,11 +28,13 @@ class LearnedPolicy(Policy):
     needs_hidden_states = True
 
     def __init__(self, adapter, blend: float = 0.0, window: int = 32):
-        from sparsekv.adapter import ScorerAdapter
-
+        """`adapter`: a `ScorerAdapter`, a folder or Hub id to load one from, or any object with
+        `score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`."""
         if not (0.0 <= blend <= 1.0):
             raise ValueError(f"blend={blend!r} must be in [0, 1]")
         if isinstance(adapter, str):
+            from sparsekv.adapter import ScorerAdapter
+
             adapter = ScorerAdapter.from_pretrained(adapter)
         self.adapter = adapter
         self.blend = float(blend)
@@ -50,7 +52,11 @@ class LearnedPolicy(Policy):
         if self.blend > 0:
             obs = ctx.attention if ctx.phase == "prefill" else (ctx.observed if ctx.phase == "rerank" else None)
             if obs is not None:
-                prior = _standardize(out)
-                seen = _standardize(torch.log(obs.float().clamp_min(1e-9)))
-                return (1 - self.blend) * prior + self.blend * seen
+                # Mix standard scores, then map back onto the prior's scale so that tokens
+                # scored later by the head alone stay comparable with the blended ones.
+                mean, std = _moments(out)
+                seen = torch.log(obs.float().clamp_min(1e-9))
+                seen_mean, seen_std = _moments(seen)
+                z = (1 - self.blend) * (out - mean) / std + self.blend * (seen - seen_mean) / seen_std
+                return torch.where(torch.isfinite(out), mean + std * z, out)
         return out
