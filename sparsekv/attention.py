@@ -130,16 +130,15 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
 
     groups = query.shape[1] // key.shape[1]
     layer.note_padding(request.padding if request is not None else None)
-    kv_mask = layer.attention_mask(query.shape[2])  # (batch, kv_heads, q, k) bool, or None
+    # (batch or 1, kv_heads or 1, q, k) bool, or None when the kernel needs none
+    kv_mask = layer.attention_mask(query.shape[2], explicit_causal=base == "eager")
     mask = None
     if kv_mask is not None:
-        mask = expand_heads(kv_mask, groups)
+        mask = expand_heads(kv_mask, groups) if kv_mask.shape[1] > 1 else kv_mask
         if base == "eager":
             mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 ~mask, torch.finfo(query.dtype).min
             )
-    if kv_mask is None and query.shape[2] > 1 and query.shape[2] != key.shape[2]:
-        raise RuntimeError("internal error: a multi-token step needs an explicit mask")
     out, weights = fn(module, query, key, value, mask, **kwargs)
     layer.observe(
         module=module,
@@ -162,8 +161,9 @@ def received_attention(
     """Attention probability each key receives, summed over the given queries and over the query
     heads of its KV group.
 
-    query `(batch, heads, q, dim)`, key `(batch, kv_heads, k, dim)`, kv_mask
-    `(batch, kv_heads, q, k)` bool (True = may attend) or None (every query sees every key).
+    query `(batch, heads, q, dim)`, key `(batch, kv_heads, k, dim)`, kv_mask bool broadcastable
+    to `(batch, kv_heads, q, k)` (True = may attend), or None: then the queries are taken to be
+    the last `q` entries of the keys, seeing everything before them and causal among themselves.
     Returns `(batch, kv_heads, k)` float32. Queries are processed `block_size` at a time, so the
     peak extra memory is O(block_size x k), never q x k.
     """
@@ -179,6 +179,10 @@ def received_attention(
             logits = torch.tanh(logits / softcap) * softcap
         if kv_mask is not None:
             logits = logits.masked_fill(~kv_mask[:, :, None, s : s + block_size], float("-inf"))
+        elif q > 1:
+            qpos = torch.arange(k - q + s, k - q + s + qb.shape[3], device=query.device)
+            future = torch.arange(k, device=query.device)[None, :] > qpos[:, None]
+            logits = logits.masked_fill(future, float("-inf"))
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
         out += probs.sum(dim=(2, 3))
     return out

@@ -195,10 +195,12 @@ class EvictingLayer(DynamicLayer):
     # ---- masks ------------------------------------------------------------------------------
     def note_padding(self, padding: torch.Tensor | None) -> None:
         """Mark the new entries that are padding (`padding`: `(batch, seen)` bool, True = real)."""
-        if padding is None:
+        # Decode steps append real tokens (generate extends the mask with ones); checking them
+        # would cost a host sync per layer and step, so only multi-token steps are inspected.
+        if padding is None or self.num_new == 1:
             return
         padding = padding.to(self.device, torch.bool)
-        if padding.all():
+        if padding.all():  # the one host sync of a prefill step
             return
         q = self.num_new
         real = padding[:, self.seen - q : self.seen]  # (batch, q)
@@ -212,11 +214,22 @@ class EvictingLayer(DynamicLayer):
         self.has_padding = True
         self.shared.first_valid = (padding.long().cumsum(-1) == 0).sum(-1)  # leading pads
 
-    def attention_mask(self, q: int) -> torch.Tensor | None:
-        """`(batch, kv_heads, q, stored)` bool (True = attend) for the last `q` queries, or None
-        when every query may see every stored entry (a single unpadded query)."""
-        if q == 1 and not self.has_padding:
-            return None
+    def attention_mask(self, q: int, explicit_causal: bool) -> torch.Tensor | None:
+        """Mask for the last `q` queries over the stored entries (True = attend), or None.
+
+        Without padding every stored entry from earlier steps is visible to every new query and
+        the new entries are causal among themselves, so the mask is shared by all heads:
+        `(1, 1, q, stored)`. With padding it is per head: `(batch, kv_heads, q, stored)`.
+        None means no mask is needed: a single query, or a first chunk when the attention kernel
+        applies causality itself (`explicit_causal=False`, sdpa).
+        """
+        stored = self.keys.shape[-2]
+        if not self.has_padding:
+            if q == 1 or (q == stored and not explicit_causal):
+                return None
+            mask = torch.ones(q, stored, dtype=torch.bool, device=self.device)
+            mask[:, stored - q :] = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
+            return mask[None, None]
         qpos = torch.arange(self.seen - q, self.seen, device=self.device)
         pos = self.positions[:, :, None, :]
         return (pos <= qpos[None, None, :, None]) & (pos >= 0)
@@ -315,7 +328,9 @@ class EvictingLayer(DynamicLayer):
         if stored <= capacity:
             return
         prot = self.protected()
-        k = min(stored, max(capacity, int(prot.sum(-1).max())))
+        # Enough room for every protected entry, computed on the host side (no device sync).
+        cfg = self.shared.config
+        k = min(stored, max(capacity, cfg.sink_tokens + cfg.recent_window))
         if k == stored:
             return
         eff = self.scores.masked_fill(prot, float("inf")).masked_fill(self.positions < 0, float("-inf"))
