@@ -67,6 +67,8 @@ class _Shared:
         self.num_budgeted = num_budgeted
         self.first_valid: torch.Tensor | None = None  # (batch,) index of the first real token
         self.evictions = 0
+        self.measure: Any = None  # callable returning the cache's current KV bytes
+        self.peak_bytes = 0
 
 
 class EvictingLayer(DynamicLayer):
@@ -129,6 +131,10 @@ class EvictingLayer(DynamicLayer):
         self.seen += q
         self.num_new = q
         attn.announce_layer(self.layer_idx, self)
+        # Memory peaks right after an append, before this layer's eviction.
+        measure = self.shared.measure() if self.shared.measure is not None else None
+        if measure is not None:
+            self.shared.peak_bytes = max(self.shared.peak_bytes, measure())
         return keys, values
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,6 +401,7 @@ class SparseKVCache(Cache):
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
         self.budgeted_layers = budgeted
+        self.shared.measure = weakref.WeakMethod(self.kv_bytes)
         self._hooks: list[Any] = []
         self._in_chunked_prefill = False
         self._use_sparse_attention(model)
@@ -411,6 +418,14 @@ class SparseKVCache(Cache):
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:
                 total += layer.keys.nbytes + layer.values.nbytes
         return total
+
+    def peak_kv_bytes(self) -> int:
+        """The most bytes the key/value tensors held at once since creation or `reset_peak()`
+        (sampled after every append to a budgeted layer, where the peaks are)."""
+        return max(self.shared.peak_bytes, self.kv_bytes())
+
+    def reset_peak(self) -> None:
+        self.shared.peak_bytes = self.kv_bytes()
 
     def layer_lengths(self) -> list[int]:
         """Entries stored per layer (sliding layers included)."""

@@ -180,6 +180,8 @@ def test_prefill_chunk_bounds_peak_memory():
     assert cache.tokens_seen() == 600 and cache.layer_lengths() == [64] * 4
     per_entry = 2 * 2 * 16 * 4  # K and V, 2 heads, head_dim 16, float32
     assert cache.kv_bytes() == 4 * 64 * per_entry
+    # The measured peak: at most budget + chunk in every layer, and above the steady state.
+    assert 4 * 64 * per_entry < cache.peak_kv_bytes() <= 4 * (64 + 50) * per_entry
     # generate() goes through the same hook and keeps producing tokens.
     cache2 = SparseKVCache(model, cfg, "snapkv")
     gen = model.generate(ids, cache=cache2, max_new_tokens=4, do_sample=False)
