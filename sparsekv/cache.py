@@ -29,6 +29,7 @@ logits then cover the last chunk only.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -43,6 +44,7 @@ from sparsekv.policies import get as get_policy
 from sparsekv.schedules import layer_capacity, layer_fractions
 
 
+_RECORDABLE = ("all", "window", "last")
 _PER_ENTRY = ("keys", "values", "key_scale", "value_scale", "positions", "scores", "observed")
 
 
@@ -69,6 +71,8 @@ class _Shared:
         self.evictions = 0
         self.measure: Any = None  # callable returning the cache's current KV bytes
         self.peak_bytes = 0
+        self.record: tuple[str, ...] = ()
+        self.record_window = 0
 
 
 class EvictingLayer(DynamicLayer):
@@ -96,6 +100,7 @@ class EvictingLayer(DynamicLayer):
         self.key_scale: torch.Tensor | None = None  # (batch, kv_heads, stored, 1) when quantized
         self.value_scale: torch.Tensor | None = None
         self._live: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's full-precision K, V
+        self.recorded: dict[str, torch.Tensor] = {}  # see SparseKVCache(record=...)
 
     # ---- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -288,9 +293,46 @@ class EvictingLayer(DynamicLayer):
 
     def observe(self, module, query, kv_mask, scaling, softcap) -> None:
         """After attention: score the new entries, then evict as the step's phase requires."""
-        policy, cfg = self.shared.policy, self.shared.config
         phase = "prefill" if self.num_new > 1 else "decode"
+        if self.shared.record:
+            self._record(query, kv_mask, scaling, softcap)
         att = self._attention_stats(query, kv_mask, scaling, softcap)
+        self._score_and_evict(phase, query, att)
+
+    def _record(self, query, kv_mask, scaling, softcap) -> None:
+        """Keep what any policy could ask for, so `SparseKVCache.fork` can compress later."""
+        q, rec = query.shape[2], self.recorded
+        for which in self.shared.record:
+            n = {"all": q, "last": 1, "window": min(self.shared.record_window, q)}[which]
+            m = None if kv_mask is None else kv_mask[:, :, -n:]
+            att = attn.received_attention(query[:, :, -n:], self.dense()[0], m, scaling, softcap)
+            if which == "all" and which in rec:
+                att[..., : rec[which].shape[-1]] += rec[which]
+            rec[which] = att
+        if self.hidden is not None:
+            h = rec.get("hidden")
+            rec["hidden"] = self.hidden if h is None else torch.cat([h, self.hidden], dim=1)
+
+    def load_from(self, src: "EvictingLayer") -> None:
+        """Start from `src`'s recorded prefill: score every entry as one prefill step would
+        have, then evict (what the same prefill through this layer would have kept)."""
+        policy = self.shared.policy
+        keys, values = src.dense()
+        self.is_initialized, self.device = True, src.device
+        self.seen, self.has_padding, self.positions = src.seen, src.has_padding, src.positions
+        self.shared.first_valid = src.shared.first_valid
+        if self.quantized:
+            (self.keys, self.key_scale), (self.values, self.value_scale) = quantize(keys), quantize(values)
+        else:
+            self.keys, self.values = keys, values
+        self._live, self.num_new = (keys, values), keys.shape[-2]
+        self.hidden = src.recorded.get("hidden")
+        which = policy.attention_queries or ("all" if policy.tracks_observed else None)
+        att = None if which is None else src.recorded[which]
+        self._score_and_evict("prefill", None, att)
+
+    def _score_and_evict(self, phase: str, query, att) -> None:
+        policy, cfg = self.shared.policy, self.shared.config
         if policy.tracks_observed and att is not None:
             grown = torch.zeros_like(att)
             if self.observed is not None:
@@ -374,12 +416,24 @@ class SparseKVCache(Cache):
     cache being garbage-collected) removes them.
     """
 
-    def __init__(self, model, config: EvictionConfig, policy: str | Policy = "snapkv"):
+    def __init__(
+        self,
+        model,
+        config: EvictionConfig,
+        policy: str | Policy = "snapkv",
+        record: tuple[str, ...] = (),
+        record_window: int = 32,
+    ):
         if not isinstance(config, EvictionConfig):
             raise ValueError(f"config must be an EvictionConfig, got {type(config).__name__}")
         self.model = model
         self.config = config
         self.policy = get_policy(policy)
+        bad = [r for r in record if r not in _RECORDABLE]
+        if bad:
+            raise ValueError(f"record={tuple(record)!r}: unknown {bad}; allowed values: {', '.join(_RECORDABLE)}")
+        if record and self.policy.evicts:
+            raise ValueError(f"record=... needs the 'full' policy (nothing evicted), got {self.policy.name!r}")
         shape = model_shape(model)
         self.shape = shape
         budgeted = shape.full_layers
@@ -391,6 +445,7 @@ class SparseKVCache(Cache):
         schedule = self.policy.schedule or config.schedule
         fractions = layer_fractions(config, len(budgeted), schedule)
         self.shared = _Shared(config, self.policy, len(budgeted))
+        self.shared.record, self.shared.record_window = tuple(record), record_window
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config(model))
         layers: list[Any] = []
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
@@ -465,9 +520,37 @@ class SparseKVCache(Cache):
         name = attn.register(current)
         model.set_attn_implementation(name)
 
+    def fork(self, config: EvictionConfig, policy: str | Policy) -> "SparseKVCache":
+        """A new cache holding what `policy` under `config` would have kept after this cache's
+        prefill, computed from what this cache recorded (built with `record=...` and the full
+        policy). One prefill then serves every policy and budget: the prefill's own outputs do
+        not depend on the policy, since eviction happens after each layer's attention.
+        Reproduces a prefill done in one forward (not `prefill_chunk`)."""
+        policy = get_policy(policy)
+        if not self.shared.record:
+            raise ValueError("fork() needs a cache built with record=('window', ...) and the 'full' policy")
+        which = policy.attention_queries or ("all" if policy.tracks_observed else None)
+        if which is not None and which not in self.shared.record:
+            raise ValueError(f"policy {policy.name!r} needs recorded attention {which!r}; record={self.shared.record}")
+        if which == "window" and policy.window != self.shared.record_window:
+            raise ValueError(
+                f"policy {policy.name!r} observes a window of {policy.window} queries but this cache "
+                f"recorded {self.shared.record_window}; build it with record_window={policy.window}"
+            )
+        new = SparseKVCache(self.model, config, policy)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, EvictingLayer):
+                if policy.needs_hidden_states and "hidden" not in layer.recorded:
+                    raise ValueError(f"policy {policy.name!r} needs hidden states: record them with a "
+                                     "cache whose hooks capture them (record=... does)")
+                new.layers[i].load_from(layer)
+            else:
+                new.layers[i] = copy.copy(layer)  # transformers' layers replace tensors, never mutate them
+        return new
+
     def _install_hooks(self, model) -> None:
         ref = weakref.ref(self)
-        if self.policy.needs_hidden_states:
+        if self.policy.needs_hidden_states or self.shared.record:
             modules = attention_modules(model)
             for i in self.budgeted_layers:
                 layer = self.layers[i]

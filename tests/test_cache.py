@@ -360,3 +360,34 @@ def test_learned_blend_uses_observed_attention_at_rerank():
     assert layer.observed is not None and layer.observed.shape == layer.positions.shape
     with pytest.raises(ValueError, match="blend"):
         policies.get("learned", adapter=_FakeAdapter(), blend=2.0)
+
+
+@pytest.mark.parametrize("fam", ["llama", "gemma3"])
+def test_fork_from_recorded_prefill_equals_live_prefill(fam):
+    model = tiny_model(fam)
+    ids, mask = _left_padded(2, 60)
+    base = SparseKVCache(model, EvictionConfig(budget=1.0), "full", record=("all", "window", "last"))
+    model(input_ids=ids, attention_mask=mask, cache=base)
+    candidates = [(n, {}) for n in HEURISTICS if n != "full"]
+    candidates += [("learned", {"adapter": _FakeAdapter(), "blend": 0.0}),
+                   ("learned", {"adapter": _FakeAdapter(), "blend": 0.5})]
+    for name, kw in candidates:
+        for quantize in (None, "int8"):
+            cfg = EvictionConfig(budget=0.3, schedule="pyramid", recent_window=4, sink_tokens=2, quantize=quantize)
+            live = SparseKVCache(model, cfg, policies.get(name, **kw))
+            model(input_ids=ids, attention_mask=mask, cache=live)
+            forked = base.fork(cfg, policies.get(name, **kw))
+            for i in live.budgeted_layers:
+                a, b = live.layers[i], forked.layers[i]
+                assert torch.equal(a.positions, b.positions), (name, i)
+                assert torch.allclose(a.scores, b.scores, atol=1e-5, equal_nan=True), (name, i)
+            assert live.kv_bytes() == forked.kv_bytes() and live.layer_lengths() == forked.layer_lengths()
+            nxt = torch.full((2, 1), 7)
+            m2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            la = model(input_ids=nxt, attention_mask=m2, cache=live).logits
+            lb = model(input_ids=nxt, attention_mask=m2, cache=forked).logits
+            assert torch.allclose(la, lb, atol=1e-5), name
+    with pytest.raises(ValueError, match="window of 8"):
+        base.fork(EvictionConfig(budget=0.3), policies.get("snapkv", window=8))
+    with pytest.raises(ValueError, match="needs the 'full' policy"):
+        SparseKVCache(model, EvictionConfig(budget=0.3), "snapkv", record=("all",))
