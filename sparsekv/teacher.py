@@ -1,0 +1,528 @@
+"""Teacher statistics: what the frozen model's own full attention says each token is worth.
+
+This module owns the supervision signal of the gating head. It knows nothing about caches,
+heads or losses. Everything here is a pure function of a model and its inputs.
+
+**Attention received.** For one layer, query heads `h`, queries `i` and keys `j` (absolute
+positions, causal, within the sliding window where the layer slides, padding excluded),
+with `p[h, i, j]` the attention probability of query `i` on key `j`:
+
+    a[g, i, j] = sum over the query heads h of KV group g of p[h, i, j]
+    mass:  r[g, j] = sum_i  w_i * a[g, i, j]        max:  r[g, j] = max_i  w_i * a[g, i, j]
+
+over the queries `i` that may see `j` (with `exclude_self`, `i > j` only: the entry's own query
+has been served before any eviction can happen, so it says nothing about keeping it).
+`normalize` removes the bias that counting gives early tokens:
+
+- "none": `w_i = 1`, raw sums. Early tokens collect from up to n queries, late ones from few.
+- "length" (default): `w_i = 1`, then the mass is divided by the number of queries that could
+  see `j`: the mean attention one later query pays to `j`. This removes the linear counting
+  bias; a residual ~log(n/j) favour of early tokens remains (a query at position i spreads over
+  i+1 keys, and early tokens are also seen by the early, concentrated queries). For "max" it
+  changes nothing (a max is already per query).
+- "uniform": `w_i` = the number of keys query `i` may see, then divided by the count as for
+  "length": the mean over later queries of the attention relative to a uniform spread. Exactly
+  1 everywhere for a uniformly attending model, so fully position-neutral.
+
+**Cumulative target.** Attention to a token in one layer alone is a weak signal (sinks and
+punctuation attract attention without mattering). For each budgeted layer `l` the target is a
+weighted mix of the received attention of `l` and of the layers after it:
+
+    target_l = sum_{l' in S(l)} decay**d(l, l') * dist(r_l') / sum_{l' in S(l)} decay**d(l, l')
+
+- `S(l)` = `l` and every later layer (`source_layers="all"`), or `l` and the later
+  full-attention layers only (`"budgeted"`); `d(l, l')` is the rank distance of `l'` after `l`
+  within `S(l)` (0 for `l` itself). Default `decay=0.5`: weights 1, 1/2, 1/4, ... so the layer's
+  own attention dominates and each later layer counts half as much as the one before it.
+- `dist(r)` rescales each layer's statistic to sum to 1 over the sequence (per batch row and KV
+  head), so layers whose attention is spread differently (sliding windows vs. full attention,
+  long vs. short contexts) weigh in by `decay` only, not by their scale.
+- KV head `g` of layer `l'` has no relation to KV head `g` of layer `l`: with
+  `cross_head="mean"` (default) later layers contribute their mean over KV heads (a per-token
+  importance shared by all heads of `l`) and only `l` itself contributes per head; `"same"`
+  uses the same head index in every layer.
+- `cross_layer="per_layer"` is `dist(r_l)` alone (the ablation).
+
+Targets are therefore distributions over the sequence: `(batch, kv_heads, seq)`, >= 0, each row
+summing to 1 over the real tokens (0 on padding). Only their ranking matters to the cache.
+
+**Memory.** `attention_received` processes `block_size` queries at a time and only the keys
+they may see, so the extra memory is O(block_size x seq) per layer (O(block_size x window) on
+sliding layers); no `seq x seq` matrix is ever built. `collect_attention_stats` computes it from
+inside one frozen forward (`torch.no_grad`, `use_cache=False`) through an attention
+implementation registered with transformers' `AttentionInterface` (named
+`sparsekv_teacher` / `sparsekv_teacher_eager`, registered on first use, never on import), which
+delegates the attention output to sdpa (or the family's eager function) and additionally sees the
+post-RoPE queries and keys. The model's attention implementation is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparsekv.families import attention_modules, eager_attention_function, model_shape, text_config
+
+STATS = ("mass", "max")
+CROSS_LAYER = ("cumulative", "per_layer")
+SOURCE_LAYERS = ("all", "budgeted")
+NORMALIZE = ("none", "length", "uniform")
+CROSS_HEAD = ("mean", "same")
+
+TEACHER_SDPA = "sparsekv_teacher"
+TEACHER_EAGER = "sparsekv_teacher_eager"
+
+
+@dataclass
+class TargetConfig:
+    """Definition of the teacher target (see the module docstring for the formulas)."""
+
+    stat: str = "mass"
+    """"mass": summed attention a key receives from later queries; "max": the largest share any
+    one later query gives it."""
+    cross_layer: str = "cumulative"
+    """"cumulative": mix of the layer's own statistic and the later layers', weighted by
+    `decay`; "per_layer": the layer's own statistic only."""
+    decay: float = 0.5
+    """Weight of a source layer at rank distance d after the budgeted layer: decay**d; in [0, 1]
+    (0 = the layer alone, 1 = all sources equal)."""
+    source_layers: str = "all"
+    """Which later layers contribute: "all", or "budgeted" (full-attention layers only)."""
+    normalize: str = "length"
+    """"none", "length" (divide mass by the number of queries that could see the key) or
+    "uniform" (attention relative to a uniform spread, averaged over those queries)."""
+    exclude_self: bool = True
+    """Leave out the attention a token's own query pays to it (only later queries count)."""
+    cross_head: str = "mean"
+    """How later layers' KV heads map onto this layer's: "mean" over heads, or "same" index."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("stat", STATS),
+            ("cross_layer", CROSS_LAYER),
+            ("source_layers", SOURCE_LAYERS),
+            ("normalize", NORMALIZE),
+            ("cross_head", CROSS_HEAD),
+        ):
+            v = getattr(self, name)
+            if v not in allowed:
+                raise ValueError(
+                    f"{name}={v!r} is not supported; allowed values: {', '.join(allowed)}"
+                )
+        d = self.decay
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0.0 <= d <= 1.0):
+            raise ValueError(f"decay={d!r} must be a number in [0, 1]")
+        self.decay = float(d)
+        if not isinstance(self.exclude_self, bool):
+            raise ValueError(f"exclude_self={self.exclude_self!r} must be true or false")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown TargetConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}"
+            )
+        return cls(**d)
+
+    def describe(self) -> str:
+        """One line for model cards and logs."""
+        if self.cross_layer == "per_layer":
+            mix = "the layer's own attention only"
+        else:
+            mix = (
+                f"cumulative over {self.source_layers} later layers, weight {self.decay:g}**rank distance, "
+                f"later layers' KV heads: {self.cross_head}"
+            )
+        own = "excluding" if self.exclude_self else "including"
+        return f"attention {self.stat} ({self.normalize}-normalized, {own} self-attention); {mix}"
+
+
+@dataclass
+class TeacherStats:
+    """What one frozen forward yields.
+
+    received: layer -> `(batch, kv_heads, seq)` float32 attention statistic (see `attention_received`).
+    hidden_states: layer -> `(batch, seq, hidden)` inputs of that layer's self_attn (the output of
+    its input layernorm), detached, in the model's dtype: what the gating head reads.
+    valid: `(batch, seq)` bool, True for real (non-padding) tokens.
+    """
+
+    received: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    valid: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def attention_received(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    num_kv_groups: int,
+    stat: str = "mass",
+    block_size: int = 512,
+    sliding_window: int | None = None,
+    key_padding: torch.Tensor | None = None,
+    normalize: str = "none",
+    exclude_self: bool = False,
+) -> torch.Tensor:
+    """Attention each key receives from the queries that may see it, per KV head.
+
+    query `(batch, heads, q, head_dim)` and key `(batch, kv_heads, seq, head_dim)`, both after
+    RoPE; `heads = kv_heads * num_kv_groups` (query head h uses KV head h // num_kv_groups, as in
+    transformers' `repeat_kv`). Query i sits at absolute position `seq - q + i` (so q == seq for a
+    full forward). Causal; with `sliding_window` w a query at position t sees keys > t - w (the
+    transformers convention). `key_padding` `(batch, seq)` is the usual attention mask (True/1 =
+    real token): padding keys receive nothing and padding queries contribute nothing.
+    `scaling` and `softcap` are the layer's (logits = tanh(q.k * scaling / softcap) * softcap).
+
+    `stat`: "mass" sums over queries, "max" takes the max; both after summing the probabilities
+    over the query heads of each KV group. `normalize` and `exclude_self`: see the module
+    docstring. Returns `(batch, kv_heads, seq)` float32.
+
+    Queries are processed `block_size` at a time against only the keys they may see, so the
+    extra memory is O(batch x heads x block_size x seq), never seq x seq. No gradient flows.
+    """
+    if stat not in STATS:
+        raise ValueError(f"stat={stat!r} is not supported; allowed values: {', '.join(STATS)}")
+    if normalize not in NORMALIZE:
+        raise ValueError(
+            f"normalize={normalize!r} is not supported; allowed values: {', '.join(NORMALIZE)}"
+        )
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be >= 1")
+    b, hq, q_len, d = query.shape
+    kb, hk, n, kd = key.shape
+    if kb != b or kd != d or hq != hk * num_kv_groups:
+        raise ValueError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} do not match with "
+            f"num_kv_groups={num_kv_groups}"
+        )
+    if q_len > n:
+        raise ValueError(f"more queries ({q_len}) than keys ({n})")
+    g = num_kv_groups
+    offset = n - q_len
+    dev = query.device
+    valid = None
+    if key_padding is not None:
+        if key_padding.shape != (b, n):
+            raise ValueError(f"key_padding has shape {tuple(key_padding.shape)}; expected {(b, n)}")
+        valid = key_padding.to(device=dev, dtype=torch.bool)
+
+    out = torch.zeros(b, hk, n, dtype=torch.float32, device=dev)
+    per_query = normalize in ("length", "uniform") and stat == "mass"
+    count = torch.zeros(b, 1, n, dtype=torch.float32, device=dev) if per_query else None
+    kf = key.float()
+    positions = torch.arange(n, device=dev)
+
+    for s in range(0, q_len, block_size):
+        e = min(s + block_size, q_len)
+        qpos = positions[offset + s : offset + e]  # (B,)
+        hi = offset + e  # causal: no query of the block sees keys >= hi
+        lo = 0 if sliding_window is None else max(0, offset + s - sliding_window + 1)
+        kpos = positions[lo:hi]  # (K,)
+        allowed = kpos[None, :] <= qpos[:, None]  # (B, K)
+        if sliding_window is not None:
+            allowed = allowed & (kpos[None, :] > qpos[:, None] - sliding_window)
+        allowed = allowed[None, None]  # (1, 1, B, K)
+        if valid is not None:
+            allowed = allowed & valid[:, None, None, lo:hi]  # (b, 1, B, K)
+
+        qb = query[:, :, s:e].float().reshape(b, hk, g * (e - s), d)
+        # In-place from here on: at most two (batch, heads, block, keys) float32 buffers live.
+        logits = torch.matmul(qb, kf[:, :, lo:hi].transpose(-1, -2)).mul_(
+            scaling
+        )  # (b, hk, g*B, K)
+        logits = logits.view(b, hk, g, e - s, hi - lo)
+        if softcap is not None:
+            logits.div_(softcap).tanh_().mul_(softcap)
+        # finfo.min rather than -inf: a fully masked row (a padding query) stays finite and is
+        # zeroed below instead of turning into NaN.
+        logits.masked_fill_(~allowed[:, :, None], torch.finfo(torch.float32).min)
+        probs = torch.softmax(logits, dim=-1)
+        del logits
+
+        counted = allowed  # which (query, key) pairs count: valid query, may see, not self
+        if valid is not None:
+            counted = counted & valid[:, None, offset + s : offset + e, None]
+        if exclude_self:
+            counted = counted & (kpos[None, :] != qpos[:, None])[None, None]
+        if normalize == "uniform":
+            seen = allowed.sum(-1, keepdim=True).to(torch.float32)  # keys each query sees
+            probs.mul_(seen[:, :, None])
+        probs = probs.masked_fill_(~counted[:, :, None], 0.0).sum(2)  # (b, hk, B, K)
+
+        if stat == "mass":
+            out[:, :, lo:hi] += probs.sum(-2)
+        else:
+            out[:, :, lo:hi] = torch.maximum(out[:, :, lo:hi], probs.amax(-2))
+        if count is not None:
+            count[:, :, lo:hi] += counted.sum(-2).to(torch.float32).expand(b, 1, hi - lo)
+        del probs
+
+    if count is not None:
+        out = torch.where(count > 0, out / count.clamp_min(1.0), torch.zeros_like(out))
+    return out
+
+
+# --------------------------------------------------------------------------- frozen forward
+
+
+class _Collector:
+    """Per-forward state of `collect_attention_stats`, reached through a context variable."""
+
+    def __init__(self, layer_of: dict[int, int], layers: set[int], valid, target, block_size):
+        self.layer_of = layer_of
+        self.layers = layers
+        self.valid = valid
+        self.target = target
+        self.block_size = block_size
+        self.received: dict[int, torch.Tensor] = {}
+
+
+_ACTIVE: contextvars.ContextVar[_Collector | None] = contextvars.ContextVar(
+    "sparsekv_teacher", default=None
+)
+_REGISTERED: set[str] = set()
+
+
+def _teacher_attention(base: str, module, query, key, value, attention_mask, **kwargs):
+    if base == "eager":
+        out = eager_attention_function(module)(module, query, key, value, attention_mask, **kwargs)
+    else:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    col = _ACTIVE.get()
+    layer = col.layer_of.get(id(module)) if col is not None else None
+    if layer is not None and layer in col.layers:
+        t = col.target
+        col.received[layer] = attention_received(
+            query,
+            key,
+            scaling=kwargs.get("scaling") or module.head_dim**-0.5,
+            softcap=kwargs.get("softcap"),
+            num_kv_groups=query.shape[1] // key.shape[1],
+            stat=t.stat,
+            block_size=col.block_size,
+            sliding_window=kwargs.get("sliding_window"),
+            key_padding=col.valid,
+            normalize=t.normalize,
+            exclude_self=t.exclude_self,
+        )
+    return out
+
+
+def _register() -> None:
+    """Register the teacher implementations with transformers (idempotent; on first use)."""
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    def sdpa_fn(module, query, key, value, attention_mask, **kwargs):
+        return _teacher_attention("sdpa", module, query, key, value, attention_mask, **kwargs)
+
+    def eager_fn(module, query, key, value, attention_mask, **kwargs):
+        return _teacher_attention("eager", module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(TEACHER_SDPA, sdpa_fn)
+    AttentionMaskInterface.register(TEACHER_SDPA, sdpa_mask)
+    AttentionInterface.register(TEACHER_EAGER, eager_fn)
+    AttentionMaskInterface.register(TEACHER_EAGER, eager_mask)
+    _REGISTERED.update((TEACHER_SDPA, TEACHER_EAGER))
+
+
+def _set_attn(model: nn.Module, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # a bare module around a config (no PreTrainedModel API)
+        text_config(model)._attn_implementation = name
+
+
+@contextmanager
+def teacher_attention(model: nn.Module) -> Iterator[None]:
+    """Switch `model` to the teacher attention implementation; restore the original on exit."""
+    _register()
+    cfg = text_config(model)
+    original = cfg._attn_implementation
+    name = TEACHER_EAGER if original is not None and "eager" in original else TEACHER_SDPA
+    _set_attn(model, name)
+    try:
+        yield
+    finally:
+        _set_attn(model, original)
+
+
+def _valid_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}; expected input_ids' {tuple(input_ids.shape)}"
+        )
+    return attention_mask.to(torch.bool)
+
+
+def collect_attention_stats(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    target: TargetConfig | None = None,
+    block_size: int = 512,
+    *,
+    layers: Sequence[int] | None = None,
+    hidden_layers: Sequence[int] | None = None,
+) -> TeacherStats:
+    """One frozen forward of `model` on `input_ids` `(batch, seq)`; returns `TeacherStats`.
+
+    `received[l]` `(batch, kv_heads, seq)` for every layer in `layers` (default: all layers),
+    computed with `target.stat`, `target.normalize` and `target.exclude_self`;
+    `hidden_states[l]` `(batch, seq, hidden)` for every layer in `hidden_layers` (default: all).
+    `target` defaults to `TargetConfig()`. `attention_mask` `(batch, seq)`: 1 = real token (left or right padding both work).
+    The forward runs under `torch.no_grad()` with `use_cache=False` and `logits_to_keep=1`, in
+    eval mode; the model's mode, attention implementation and hooks are restored afterwards.
+    """
+    target = TargetConfig() if target is None else target
+    shape = model_shape(model)
+    all_layers = range(shape.num_layers)
+    want = set(all_layers if layers is None else layers)
+    keep_hidden = set(all_layers if hidden_layers is None else hidden_layers)
+    for name, chosen in (("layers", want), ("hidden_layers", keep_hidden)):
+        bad = sorted(x for x in chosen if not 0 <= x < shape.num_layers)
+        if bad:
+            raise ValueError(
+                f"{name} {bad} out of range for a model with {shape.num_layers} layers"
+            )
+    valid = _valid_mask(input_ids, attention_mask)
+    modules = attention_modules(model)
+    col = _Collector({id(m): i for i, m in enumerate(modules)}, want, valid, target, block_size)
+    hidden: dict[int, torch.Tensor] = {}
+
+    def make_hook(idx: int):
+        def hook(module, args, kwargs):
+            h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            hidden[idx] = h.detach()
+
+        return hook
+
+    handles = [
+        m.register_forward_pre_hook(make_hook(i), with_kwargs=True)
+        for i, m in enumerate(modules)
+        if i in keep_hidden
+    ]
+    was_training = model.training
+    token = _ACTIVE.set(col)
+    try:
+        model.eval()
+        with teacher_attention(model), torch.no_grad():
+            model(
+                input_ids=input_ids,
+                attention_mask=valid.long() if attention_mask is not None else None,
+                use_cache=False,
+                logits_to_keep=1,
+            )
+    finally:
+        _ACTIVE.reset(token)
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    missing = sorted(want - set(col.received))
+    if missing:
+        raise RuntimeError(f"no attention statistics were seen for layers {missing}")
+    return TeacherStats(received=col.received, hidden_states=hidden, valid=valid)
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def source_layers(layer: int, target: TargetConfig, layer_types: Sequence[str]) -> list[int]:
+    """The layers whose statistics make up `layer`'s target, nearest first (`layer` itself first)."""
+    if target.cross_layer == "per_layer":
+        return [layer]
+    later = range(layer + 1, len(layer_types))
+    if target.source_layers == "budgeted":
+        later = [i for i in later if layer_types[i] == "full_attention"]
+    return [layer, *later]
+
+
+def _dist(x: torch.Tensor) -> torch.Tensor:
+    """Rescale rows of `(batch, kv_heads, seq)` to sum to 1 (all-zero rows stay zero)."""
+    total = x.sum(-1, keepdim=True)
+    return torch.where(
+        total > 0, x / total.clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(x)
+    )
+
+
+def cumulative_targets(
+    received: dict[int, torch.Tensor],
+    layers: Sequence[int],
+    target: TargetConfig,
+    layer_types: Sequence[str],
+) -> dict[int, torch.Tensor]:
+    """The target of every layer in `layers`: layer -> `(batch, kv_heads, seq)`, rows summing to 1.
+
+    `received` must hold every layer in `source_layers(l, target, layer_types)` for each `l`.
+    """
+    out: dict[int, torch.Tensor] = {}
+    for layer in layers:
+        sources = source_layers(layer, target, layer_types)
+        missing = [s for s in sources if s not in received]
+        if missing:
+            raise ValueError(f"the target of layer {layer} needs statistics of layers {missing}")
+        acc = None
+        total = 0.0
+        for rank, src in enumerate(sources):
+            w = target.decay**rank
+            if w == 0.0:
+                continue
+            r = _dist(received[src].float())
+            if src != layer and target.cross_head == "mean":
+                r = r.mean(1, keepdim=True)
+            acc = w * r if acc is None else acc + w * r
+            total += w
+        out[layer] = _dist(acc / total)
+    return out
+
+
+def default_layers(model: nn.Module) -> list[int]:
+    """The layers the budget applies to: the full-attention layers (all layers if none are)."""
+    shape = model_shape(model)
+    return shape.full_layers or list(range(shape.num_layers))
+
+
+def teacher_targets(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    target: TargetConfig | None = None,
+    layers: Sequence[int] | None = None,
+    block_size: int = 512,
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Targets and head inputs for the budgeted `layers` (default: `default_layers(model)`).
+
+    Returns `(targets, hidden_states)`: layer -> `(batch, kv_heads, seq)` target distributions
+    and layer -> `(batch, seq, hidden)` self_attn inputs. Only the layers the targets need are
+    computed.
+    """
+    target = TargetConfig() if target is None else target
+    shape = model_shape(model)
+    layers = list(default_layers(model) if layers is None else layers)
+    needed = sorted({s for l in layers for s in source_layers(l, target, shape.layer_types)})
+    stats = collect_attention_stats(
+        model, input_ids, attention_mask, target, block_size, layers=needed, hidden_layers=layers
+    )
+    targets = cumulative_targets(stats.received, layers, target, shape.layer_types)
+    return targets, stats.hidden_states
