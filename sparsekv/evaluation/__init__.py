@@ -1,0 +1,17 @@
+"""The evaluation harness: tasks from real prose, two protocols, per-task tables and plots.
+
+`sparsekv eval ...` on the command line (`sparsekv.evaluation.cli`), or from Python:
+
+    from sparsekv.evaluation import EvalConfig, run_eval
+    run_eval(EvalConfig(out="results/x", model="default", policies=["snapkv", "h2o"],
+                        budgets=[0.1, 0.3], tasks=["passkey", "ppl"], lengths=[4096], samples=10))
+
+Modules: `text` (real prose), `tasks` (generators), `config` (the grid), `runner` (execution),
+`metrics`, `report` (summary.csv, summary.md, plots), `models` (which model), `codec` (tokens).
+"""
+
+from sparsekv.evaluation.config import EvalConfig, PolicySpec, parse_policy
+from sparsekv.evaluation.runner import ingest_rows, run_eval
+from sparsekv.evaluation.tasks import TASKS, Sample, make_sample
+
+__all__ = ["TASKS", "EvalConfig", "PolicySpec", "Sample", "ingest_rows", "make_sample", "parse_policy", "run_eval"]

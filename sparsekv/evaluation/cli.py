@@ -1,0 +1,178 @@
+"""`sparsekv eval`: the command line of the evaluation harness (flags, YAML config, peers).
+
+    sparsekv eval --policy snapkv,h2o,learned:checkpoints/run/final@blend=0.5 \\
+        --budget 0.1,0.2,0.3,0.5 --tasks passkey,multikey,qa,ppl --lengths 1024,4096 \\
+        --protocol agnostic,aware --samples 20 --seed 0 --out results/x
+    sparsekv eval --config configs/eval/default-4k.yaml --samples 5      # flags override the file
+    sparsekv eval --adapter checkpoints/run/final --budget 0.3 --out results/y  # vs all baselines
+    sparsekv eval --config configs/eval/default-4k.yaml --dump-prompts     # prompts only
+    sparsekv eval --out results/x --ingest peer_rows.jsonl --source kvpress  # add a peer's rows
+    sparsekv eval --list                                                    # tasks and policies
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+BASELINES = ("streaming", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "random")
+
+
+def add_eval_parser(sub) -> argparse.ArgumentParser:
+    """Register the `eval` subcommand on an argparse subparsers object."""
+    p = sub.add_parser(
+        "eval",
+        help="evaluate KV policies: tasks x lengths x policies x budgets x protocols",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="YAML file with the grid (configs/eval/*.yaml); flags override it")
+    p.add_argument("--policy", "--policies", dest="policies",
+                   help="comma-separated policy specs NAME[:ARG][@KEY=VALUE]... e.g. "
+                        "snapkv,h2o@rerank_every=4,learned:DIR@blend=0.5 (the full cache always runs)")
+    p.add_argument("--adapter", action="append", default=[],
+                   help="a trained scorer folder or Hub id; shortcut for --policy learned:DIR. Without "
+                        f"--policy it is compared with every baseline ({', '.join(BASELINES)})")
+    p.add_argument("--budget", "--budgets", dest="budgets",
+                   help="comma-separated budgets: fractions in (0, 1] or token counts >= 1")
+    p.add_argument("--tasks", "--task", dest="tasks", help="comma-separated task names (see --list)")
+    p.add_argument("--lengths", "--length", dest="lengths", help="comma-separated prompt lengths in tokens")
+    p.add_argument("--protocol", "--protocols", dest="protocols", help="agnostic, aware or agnostic,aware")
+    p.add_argument("--samples", type=int, help="samples per task and length")
+    p.add_argument("--seed", type=int, help="seed of the task generators")
+    p.add_argument("--out", help="output folder")
+    p.add_argument("--model", help="'default' (gemma-3-270m), 'tiny:<family>' or a local model folder")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument("--attn", dest="attn_implementation", help="sdpa or eager")
+    p.add_argument("--eviction", help="EvictionConfig fields for every policy, e.g. "
+                                      "schedule=pyramid,rerank_every=16,recent_window=64")
+    p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dump-prompts", action="store_true",
+                   help="write prompts.jsonl and config.yaml into --out and stop (for peer runs)")
+    p.add_argument("--ingest", metavar="ROWS.jsonl",
+                   help="add result rows produced elsewhere (same row format) to --out and rewrite the reports")
+    p.add_argument("--source", help="with --ingest: the name of the rows' producer (e.g. kvpress)")
+    p.add_argument("--report-only", action="store_true", help="rewrite the summary and plots of --out")
+    p.add_argument("--list", action="store_true", help="list tasks and policies, then exit")
+    p.set_defaults(func=run_eval_command)
+    return p
+
+
+def _parse_eviction(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    from sparsekv.evaluation.config import _scalar
+
+    out = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise ValueError(f"--eviction item {item!r} must be KEY=VALUE (e.g. schedule=pyramid)")
+        k, v = item.split("=", 1)
+        out[k.strip()] = _scalar(v.strip())
+    return out
+
+
+def resolve_config(args: argparse.Namespace):
+    """The `EvalConfig` of a command line: the YAML file (if any), then the flags over it."""
+    from sparsekv.evaluation.config import EvalConfig
+
+    overrides: dict[str, Any] = {
+        k: getattr(args, k)
+        for k in ("out", "model", "dtype", "attn_implementation", "tasks", "lengths", "policies",
+                  "budgets", "protocols", "samples", "seed", "threads")
+        if getattr(args, k, None) is not None
+    }
+    ev = _parse_eviction(args.eviction)
+    if ev is not None:
+        overrides["eviction"] = ev
+    if args.config:
+        import yaml
+
+        path = Path(args.config)
+        if not path.is_file():
+            raise ValueError(f"--config {args.config!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {args.config!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {args.config!r} must hold a mapping of fields")
+        if "eviction" in overrides and isinstance(data.get("eviction"), dict):
+            overrides["eviction"] = {**data["eviction"], **overrides["eviction"]}
+        for single, plural in (("budget", "budgets"), ("policy", "policies"), ("protocol", "protocols"),
+                               ("length", "lengths")):
+            if single in data and plural in overrides:
+                data.pop(single)
+        data.update(overrides)
+    else:
+        data = overrides
+    if args.adapter:
+        base = data.get("policies")
+        if base is None:
+            base = list(BASELINES)
+        elif isinstance(base, str):
+            base = [x for x in base.split(",") if x.strip()]
+        data["policies"] = list(base) + [f"learned:{a}" for a in args.adapter]
+    return EvalConfig.from_dict(data)
+
+
+def _list() -> int:
+    from sparsekv.evaluation.tasks import TASKS
+    from sparsekv.policies import available
+
+    print("tasks:")
+    for t in TASKS.values():
+        opts = ", ".join(f"{k}={v}" for k, v in t.defaults.items())
+        print(f"  {t.name:<11} {t.metric:<11} {'/'.join(t.protocols):<15} {t.doc}" + (f" [{opts}]" if opts else ""))
+    print("policies: " + ", ".join(available()) + "  (learned:<adapter dir or hub id>)")
+    return 0
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    from sparsekv.evaluation import runner
+
+    if args.list:
+        return _list()
+    if args.ingest or args.report_only:
+        if not args.out:
+            raise ValueError("--ingest and --report-only need --out (the evaluation folder)")
+        out = Path(args.out)
+        if not (out / "prompts.jsonl").exists():
+            raise ValueError(f"{out} holds no prompts.jsonl: run the grid (or --dump-prompts) there first")
+        if args.ingest:
+            n = runner.ingest_rows(out, args.ingest, source=args.source)
+            print(f"added {n} rows from {args.ingest} to {out / 'results.jsonl'}")
+        else:
+            from sparsekv.evaluation.report import write_reports
+
+            write_reports(out)
+        print(f"wrote {out / 'summary.md'}, {out / 'summary.csv'} and plots")
+        return 0
+    cfg = resolve_config(args)
+    if cfg.out is None:
+        raise ValueError("no output folder: give --out DIR (or out: in the config)")
+    if args.dump_prompts:
+        import yaml
+
+        from sparsekv.evaluation.models import load_model
+
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        _, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
+        samples = runner.build_samples(cfg, codec)
+        runner.write_prompts(samples, cfg, out / "prompts.jsonl")
+        resolved = {**cfg.to_dict(), "policy_specs": [p.to_dict() for p in cfg.policy_specs]}
+        (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        print(f"wrote {len(samples)} prompts to {out / 'prompts.jsonl'}")
+        return 0
+    out = runner.run_eval(cfg, progress=not args.no_progress)
+    print(f"results in {out}: results.jsonl, summary.csv, summary.md, quality_*.png, kl_*.png, config.yaml",
+          file=sys.stderr)
+    print((out / "summary.md").read_text())
+    return 0

@@ -1,0 +1,266 @@
+"""`EvalConfig`: one evaluation grid (model x tasks x lengths x policies x budgets x protocols),
+and the policy-spec syntax. Validation only; running lives in `runner.py`.
+
+Policy specs (one string per evaluated method):
+
+    NAME[:ARG][@KEY=VALUE]...
+
+- NAME is a registered policy (`sparsekv.policies.available()`); ARG is its argument, the
+  adapter folder or Hub id for `learned` (`learned:checkpoints/run/final`).
+- each `@KEY=VALUE` is an `EvictionConfig` field (schedule, rerank_every, sink_tokens,
+  recent_window, prefill_chunk, pyramid_slope, evict_slack, quantize, budget_layers) applied to
+  this method only, `label` (the name in tables and plots), or else a keyword argument of the
+  policy (e.g. `blend` for learned, `window` for snapkv). Values are read as YAML scalars.
+
+Examples: `snapkv`, `snapkv@window=64`, `h2o@rerank_every=4@label=h2o-r4`,
+`learned:checkpoints/run/final@blend=0.5@schedule=pyramid`.
+
+In YAML, a policy may also be a mapping: `{policy: learned:ckpt/final, blend: 0.5,
+schedule: pyramid, label: learned-blend}`. The full cache is always evaluated as the reference
+and need not be listed ("full" in the list is accepted and ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sparsekv.config import EvictionConfig
+from sparsekv.evaluation.tasks import PROTOCOLS, TASKS, get_task
+
+EVICTION_FIELDS = tuple(f.name for f in fields(EvictionConfig) if f.name != "budget")
+REFERENCE = "full"
+DEFAULT_TASKS = ("passkey", "multikey", "multivalue", "vartrack", "qa", "ppl", "nexttok", "gen")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One evaluated method: the policy to build, its kwargs, its eviction overrides, its label."""
+
+    spec: str
+    name: str
+    policy_kwargs: dict[str, Any]
+    eviction: dict[str, Any]
+    label: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
+    """Parse `NAME[:ARG][@KEY=VALUE]...` (or the YAML mapping form) into a `PolicySpec`."""
+    from sparsekv.policies import available
+
+    if isinstance(spec, dict):
+        d = dict(spec)
+        if "policy" not in d:
+            raise ValueError(f"policy mapping {spec!r} needs a 'policy' key (e.g. policy: snapkv)")
+        head = str(d.pop("policy"))
+        options = d
+        text = head + "".join(f"@{k}={v}" for k, v in options.items())
+    elif isinstance(spec, str) and spec.strip():
+        text = spec.strip()
+        head, *opts = text.split("@")
+        options = {}
+        for o in opts:
+            if "=" not in o:
+                raise ValueError(f"policy {text!r}: option {o!r} must be KEY=VALUE (e.g. @blend=0.5)")
+            k, v = o.split("=", 1)
+            options[k.strip()] = _scalar(v.strip())
+    else:
+        raise ValueError(f"policy={spec!r} must be a non-empty string like 'snapkv' or 'learned:PATH@blend=0.5'")
+    name, _, arg = head.partition(":")
+    known = available()
+    if name not in known:
+        raise ValueError(f"unknown policy {name!r} in {text!r}; known policies: {', '.join(known)}")
+    if name == "learned" and not arg:
+        raise ValueError(f"policy {text!r}: 'learned' needs an adapter, e.g. learned:checkpoints/run/final")
+    if arg and name != "learned":
+        raise ValueError(f"policy {text!r}: only 'learned' takes an argument after ':'")
+    label = str(options.pop("label", text))
+    eviction = {k: options.pop(k) for k in list(options) if k in EVICTION_FIELDS}
+    if "budget" in options:
+        raise ValueError(f"policy {text!r}: budgets are set for the whole grid (--budget), not per policy")
+    if eviction:
+        EvictionConfig(budget=0.5, **eviction)  # raises naming the field
+    return PolicySpec(spec=text, name=head, policy_kwargs=options, eviction=eviction, label=label)
+
+
+def _split(value: Any) -> list:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def parse_budget(v: Any) -> float | int:
+    """'0.3' -> 0.3 (fraction), '512' -> 512 (tokens per layer); validated by EvictionConfig."""
+    if isinstance(v, str):
+        s = v.strip()
+        try:
+            v = int(s) if s.isdigit() else float(s)
+        except ValueError:
+            raise ValueError(f"budget {s!r} is not a number; use fractions in (0, 1] or token counts >= 1") from None
+    if isinstance(v, float) and v.is_integer() and v > 1:
+        v = int(v)
+    try:
+        EvictionConfig(budget=v)
+    except ValueError as e:
+        raise ValueError(f"bad budget: {e}") from None
+    return v
+
+
+@dataclass
+class EvalConfig:
+    """One evaluation grid. Every list field also accepts a comma-separated string."""
+
+    out: str | None = None
+    """Output folder: results.jsonl, summary.csv, summary.md, plots, config.yaml, prompts.jsonl."""
+    model: str = "default"
+    """'default' (gemma-3-270m, offline), 'tiny:<family>' (random test model) or a local folder."""
+    dtype: str = "float32"
+    """Model dtype: float32, bfloat16 or float16."""
+    attn_implementation: str = "sdpa"
+    """sdpa or eager."""
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    """Task names (see `sparsekv.evaluation.tasks.TASKS`)."""
+    lengths: list[int] = field(default_factory=lambda: [1024])
+    """Prompt lengths in tokens of the model's tokenizer."""
+    policies: list[Any] = field(default_factory=lambda: ["snapkv", "h2o"])
+    """Policy specs (see the module docstring); the full cache always runs as the reference."""
+    budgets: list[Any] = field(default_factory=lambda: [0.3])
+    """Fractions in (0, 1] of the tokens seen, or token counts >= 1, per budgeted layer."""
+    protocols: list[str] = field(default_factory=lambda: list(PROTOCOLS))
+    """'agnostic' (compress the context, then feed the question) and/or 'aware' (both together).
+    Tasks without a question (ppl, nexttok, gen) run under 'agnostic' only."""
+    samples: int = 5
+    """Samples per task and length."""
+    seed: int = 0
+    """Seed of the sample generators (same seed -> same prompts)."""
+    eviction: dict[str, Any] = field(default_factory=dict)
+    """EvictionConfig fields (not budget) for every policy, e.g. {schedule: pyramid, rerank_every: 16}."""
+    task_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per task: generator options (e.g. multikey: {num_keys: 8}) and max_new_tokens."""
+    threads: int | None = None
+    """torch.set_num_threads for the run (None = torch's default)."""
+
+    def __post_init__(self) -> None:
+        from sparsekv.evaluation.models import validate_model_spec
+
+        if self.out is not None and not isinstance(self.out, (str, Path)):
+            raise ValueError(f"out={self.out!r} must be a folder path")
+        self.out = None if self.out is None else str(self.out)
+        validate_model_spec(self.model)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r}; allowed values: float32, bfloat16, float16")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"attn_implementation={self.attn_implementation!r}; allowed values: sdpa, eager")
+        self.tasks = [str(t) for t in _split(self.tasks)]
+        if not self.tasks:
+            raise ValueError(f"tasks is empty; known tasks: {', '.join(TASKS)}")
+        for t in self.tasks:
+            get_task(t)  # raises listing the known tasks
+        self.lengths = [self._length(x) for x in _split(self.lengths)]
+        if not self.lengths:
+            raise ValueError("lengths is empty; give prompt lengths in tokens, e.g. 1024,4096")
+        pols = [p for p in _split(self.policies) if p != REFERENCE]
+        self.policies = pols
+        self._parsed = [parse_policy(p) for p in pols]
+        labels = [p.label for p in self._parsed]
+        dup = sorted({x for x in labels if labels.count(x) > 1} | ({REFERENCE} & set(labels)))
+        if dup:
+            raise ValueError(f"policy labels must be unique and not {REFERENCE!r}: {dup}; add @label=NAME")
+        self.budgets = [parse_budget(b) for b in _split(self.budgets)]
+        if not self.budgets and self._parsed:
+            raise ValueError("budgets is empty; give fractions in (0, 1] such as 0.1,0.3")
+        self.protocols = [str(p) for p in _split(self.protocols)]
+        bad = [p for p in self.protocols if p not in PROTOCOLS]
+        if bad or not self.protocols:
+            raise ValueError(f"protocols={self.protocols!r}; allowed values: {', '.join(PROTOCOLS)}")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(f"samples={self.samples!r} must be an int >= 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an int")
+        if not isinstance(self.eviction, dict):
+            raise ValueError(f"eviction={self.eviction!r} must be a mapping of EvictionConfig fields")
+        bad = sorted(set(self.eviction) - set(EVICTION_FIELDS))
+        if bad:
+            raise ValueError(f"eviction has unknown field(s) {bad}; allowed: {', '.join(EVICTION_FIELDS)}")
+        EvictionConfig(budget=0.5, **self.eviction)
+        if not isinstance(self.task_options, dict):
+            raise ValueError(f"task_options={self.task_options!r} must map task names to option mappings")
+        for t, opts in self.task_options.items():
+            spec = get_task(t)
+            if not isinstance(opts, dict):
+                raise ValueError(f"task_options[{t!r}] must be a mapping, got {opts!r}")
+            bad = sorted(set(opts) - set(spec.defaults) - {"max_new_tokens"})
+            if bad:
+                allowed = ", ".join([*spec.defaults, "max_new_tokens"])
+                raise ValueError(f"task_options[{t!r}] has unknown option(s) {bad}; allowed: {allowed}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads={self.threads!r} must be None or an int >= 1")
+
+    @staticmethod
+    def _length(x: Any) -> int:
+        try:
+            n = int(str(x).strip())
+        except ValueError:
+            raise ValueError(f"length {x!r} is not an integer number of tokens") from None
+        if n < 64:
+            raise ValueError(f"length {n} is too short; lengths are >= 64 tokens")
+        return n
+
+    @property
+    def policy_specs(self) -> list[PolicySpec]:
+        return list(self._parsed)
+
+    def protocols_for(self, task: str) -> list[str]:
+        """The protocols a task runs under: the requested ones it supports, else agnostic."""
+        supported = get_task(task).protocols
+        chosen = [p for p in self.protocols if p in supported]
+        return chosen or ["agnostic"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EvalConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"an eval config is a YAML mapping of fields, got {type(d).__name__}")
+        d = dict(d)
+        if "budget" in d and "budgets" not in d:  # singular spellings, as on the command line
+            d["budgets"] = d.pop("budget")
+        for single, plural in (("policy", "policies"), ("protocol", "protocols"), ("length", "lengths")):
+            if single in d and plural not in d:
+                d[plural] = d.pop(single)
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"unknown eval config field(s) {unknown}; allowed: {', '.join(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> EvalConfig:
+        """Read a YAML config; `overrides` (not None) replace its fields."""
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {str(p)!r} must hold a mapping of fields, got {type(data).__name__}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.from_dict(data)

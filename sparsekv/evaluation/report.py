@@ -1,0 +1,296 @@
+"""From `results.jsonl` to `summary.csv`, `summary.md` and the PNG plots of an evaluation folder.
+
+Aggregation is per (source, task, length, protocol, policy, budget) over samples. The fraction
+of the full cache's accuracy (`score_frac`) and of its KV memory (`kv_frac`) are taken on the
+same samples and protocol as the policy's rows, against this harness's own full-cache rows, so
+rows ingested from a peer are compared with the same reference.
+
+Plots, one figure per protocol and length, one panel per task:
+- `quality_<protocol>_<length>.png`: each task's quality number (accuracy, recall, perplexity,
+  top-1, agreement) against the KV memory held after compression; one line per method through
+  its budgets, the full cache as a star and a dashed line.
+- `kl_<protocol>_<length>.png`: KL divergence from the full cache (log scale) against KV memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sparsekv.evaluation.config import REFERENCE
+from sparsekv.evaluation.metrics import mean
+from sparsekv.evaluation.tasks import TASKS
+
+SUMMARY_FIELDS = (
+    "source", "task", "length", "protocol", "policy", "budget", "n", "errors", "score", "score_frac",
+    "kl", "kl_mean", "ppl", "top1", "agreement", "repetition", "kv_mib", "kv_mib_end", "kv_frac",
+    "peak_rss_mb", "prefill_s", "decode_tok_s",
+)
+_MIB = 2**20
+_LOWER_IS_BETTER = {"perplexity"}
+
+
+def _num(x: Any) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def _budget_key(b: Any) -> float:
+    try:
+        return float(b)
+    except (TypeError, ValueError):
+        return float("inf")
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One summary row per (source, task, length, protocol, policy, budget)."""
+    ref: dict[tuple, dict] = {}
+    for r in rows:
+        if r["policy"] == REFERENCE and r.get("source", "sparsekv") == "sparsekv":
+            ref[(r["sample_id"], r["protocol"])] = r
+    groups: OrderedDict[tuple, list[dict]] = OrderedDict()
+    for r in rows:
+        k = (r.get("source") or "sparsekv", r["task"], int(r["length"]), r["protocol"], r["policy"], r["budget"])
+        groups.setdefault(k, []).append(r)
+    out = []
+    for (source, task, length, protocol, policy, budget), rs in groups.items():
+        scores = [_num(r.get("score")) for r in rs]
+        paired = [(r, ref[(r["sample_id"], protocol)]) for r in rs if (r["sample_id"], protocol) in ref]
+        ref_sum = sum(_num(f.get("score")) for _, f in paired)
+        pol_sum = sum(_num(r.get("score")) for r, _ in paired)
+        kv_ref = mean([_num(f.get("kv_bytes_compressed")) for _, f in paired])
+        kv_pol = mean([_num(r.get("kv_bytes_compressed")) for r, _ in paired])
+        nll = mean([_num(r.get("nll")) for r in rs])
+        out.append({
+            "source": source, "task": task, "length": length, "protocol": protocol, "policy": policy,
+            "budget": budget, "n": len(rs), "errors": sum(1 for r in rs if r.get("error")),
+            "score": mean(scores),
+            "score_frac": pol_sum / ref_sum if paired and ref_sum > 0 else float("nan"),
+            "kl": mean([_num(r.get("kl")) for r in rs]),
+            "kl_mean": mean([_num(r.get("kl_mean")) for r in rs]),
+            "ppl": math.exp(nll) if not math.isnan(nll) else float("nan"),
+            "top1": mean([_num(r.get("top1")) for r in rs]),
+            "agreement": mean([_num(r.get("agreement")) for r in rs]),
+            "repetition": mean([_num(r.get("repetition")) for r in rs]),
+            "kv_mib": mean([_num(r.get("kv_bytes_compressed")) for r in rs]) / _MIB,
+            "kv_mib_end": mean([_num(r.get("kv_bytes_end")) for r in rs]) / _MIB,
+            "kv_frac": kv_pol / kv_ref if paired and kv_ref > 0 else float("nan"),
+            "peak_rss_mb": max((_num(r.get("peak_rss_mb")) for r in rs), default=float("nan")),
+            "prefill_s": mean([_num(r.get("prefill_s")) for r in rs]),
+            "decode_tok_s": mean([_num(r.get("decode_tok_s")) for r in rs]),
+        })
+    return out
+
+
+def quality(s: dict[str, Any]) -> float:
+    """The number plotted for a summary row: perplexity for ppl, else the score."""
+    return s["ppl"] if TASKS.get(s["task"]) and TASKS[s["task"]].metric == "perplexity" else s["score"]
+
+
+def write_csv(summary: list[dict[str, Any]], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
+        w.writeheader()
+        for s in summary:
+            w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else
+                            (round(v, 6) if isinstance(v, float) else v)) for k, v in s.items()})
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if x == 0:
+        return "0"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) < 1e-3:
+        return f"{x:.1e}"
+    return f"{x:.{digits}g}"
+
+
+def _method(s: dict[str, Any]) -> str:
+    if s["policy"] == REFERENCE and s["source"] == "sparsekv":
+        return "full cache"
+    return f"{s['policy']} @ {s['budget']}"
+
+
+def _methods(summary: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
+    """(source, policy, budget) in display order: the full cache first, then as first seen."""
+    seen: OrderedDict[tuple, None] = OrderedDict()
+    for s in summary:
+        seen[(s["source"], s["policy"], s["budget"])] = None
+    keys = list(seen)
+    order = {k[:2]: i for i, k in reversed(list(enumerate(keys)))}
+    return sorted(keys, key=lambda k: (k[1] != REFERENCE, order[k[:2]], _budget_key(k[2])))
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_markdown(summary: list[dict[str, Any]], path: Path, config: dict[str, Any] | None = None) -> None:
+    parts = ["# Evaluation summary", ""]
+    if config:
+        env = config.get("environment", {})
+        parts += [
+            f"- model: `{config.get('model')}` ({config.get('dtype')}, {config.get('attn_implementation')}); "
+            f"samples per task and length: {config.get('samples')}; seed: {config.get('seed')}",
+            f"- machine: {env.get('processor', '?')}, torch {env.get('torch', '?')} "
+            f"({env.get('torch_threads', '?')} threads), transformers {env.get('transformers', '?')}; "
+            f"{env.get('date', '')}",
+            "- quality: accuracy (recall for multivalue/vartrack; top-1 for nexttok; agreement with "
+            "the full cache's tokens for gen; perplexity for ppl), with its fraction of the full "
+            "cache's on the same samples in brackets. KL: KL(full || method) in nats on the first "
+            "next-token distribution computed from the compressed cache (ppl, nexttok: mean over "
+            "the continuation). KV MiB: bytes held by the cache right after compression.",
+            "",
+        ]
+    by_view: OrderedDict[tuple, list] = OrderedDict()
+    for s in sorted(summary, key=lambda s: (s["protocol"], s["length"])):
+        by_view.setdefault((s["protocol"], s["length"]), []).append(s)
+    for (protocol, length), ss in by_view.items():
+        tasks = [t for t in TASKS if any(s["task"] == t for s in ss)]
+        tasks += sorted({s["task"] for s in ss} - set(tasks))
+        idx = {(s["source"], s["policy"], s["budget"], s["task"]): s for s in ss}
+        methods = _methods(ss)
+        q_rows, kl_rows, cost_rows = [], [], []
+        for m in methods:
+            cells = [idx.get((*m, t)) for t in tasks]
+            present = [c for c in cells if c]
+            name = _method(present[0])
+            q = []
+            for c in cells:
+                if c is None:
+                    q.append("-")
+                elif TASKS.get(c["task"]) and TASKS[c["task"]].metric == "perplexity":
+                    q.append(_fmt(c["ppl"]))
+                elif m[1] == REFERENCE:
+                    q.append(_fmt(c["score"], 2))
+                else:
+                    frac = c["score_frac"]
+                    q.append(f"{_fmt(c['score'], 2)} ({'-' if math.isnan(frac) else f'{100 * frac:.0f}%'})")
+            kv = mean([c["kv_mib"] for c in present])
+            kvf = mean([c["kv_frac"] for c in present])
+            err = sum(c["errors"] for c in present)
+            q_rows.append([name, *q, _fmt(kv), "-" if math.isnan(kvf) else f"{100 * kvf:.0f}%"]
+                          + ([str(err)] if err else []))
+            kl_rows.append([name, *[_fmt(c["kl"]) if c else "-" for c in cells]])
+            cost_rows.append([name, _fmt(kv), _fmt(mean([c["kv_mib_end"] for c in present])),
+                              _fmt(max(c["peak_rss_mb"] for c in present)),
+                              _fmt(mean([c["prefill_s"] for c in present])),
+                              _fmt(mean([c["decode_tok_s"] for c in present]))])
+        any_err = any(len(r) > len(tasks) + 3 for r in q_rows)
+        if any_err:
+            q_rows = [r if len(r) > len(tasks) + 3 else [*r, "0"] for r in q_rows]
+        heads = [f"{t} ({TASKS[t].metric})" if t in TASKS else t for t in tasks]
+        parts += [f"## Protocol: {protocol}, {length} tokens", "", "Quality (fraction of the full cache's):", ""]
+        parts += [_table(["method", *heads, "KV MiB", "KV vs full"] + (["errors"] if any_err else []), q_rows), ""]
+        parts += ["KL divergence from the full cache (nats):", "", _table(["method", *tasks], kl_rows), ""]
+        parts += ["Cost (mean over tasks):", ""]
+        parts += [_table(["method", "KV MiB after compression", "KV MiB at end", "peak RSS MiB",
+                          "prefill s", "decode tok/s"], cost_rows), ""]
+    path.write_text("\n".join(parts))
+
+
+def plot(summary: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Write the quality and KL figures; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    written = []
+    methods = [(s, p) for s, p, _ in _methods(summary)]
+    methods = list(OrderedDict.fromkeys(methods))
+    cmap = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
+    others = [m for m in methods if m[1] != REFERENCE]
+    colors = {m: cmap(i % cmap.N) for i, m in enumerate(others)}
+    markers = {m: "osD^vPXh<>"[i % 10] for i, m in enumerate(others)}  # overlapping lines stay visible
+    views: OrderedDict[tuple, list] = OrderedDict()
+    for s in sorted(summary, key=lambda s: (s["protocol"], s["length"])):
+        views.setdefault((s["protocol"], s["length"]), []).append(s)
+    for (protocol, length), ss in views.items():
+        tasks = [t for t in TASKS if any(s["task"] == t for s in ss)]
+        tasks += sorted({s["task"] for s in ss} - set(tasks))
+        for kind in ("quality", "kl"):
+            n = len(tasks)
+            ncols = min(4, n)
+            nrows = math.ceil(n / ncols)
+            fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.3 * nrows + 1.0), squeeze=False,
+                                     layout="constrained")
+            handles: OrderedDict[str, Any] = OrderedDict()
+            for ax, task in zip(axes.flat, tasks):
+                metric = TASKS[task].metric if task in TASKS else "score"
+                rows_t = [s for s in ss if s["task"] == task]
+                for (source, policy) in methods:
+                    pts = sorted((s for s in rows_t if s["source"] == source and s["policy"] == policy),
+                                 key=lambda s: _budget_key(s["budget"]))
+                    if not pts:
+                        continue
+                    x = [p["kv_mib"] for p in pts]
+                    y = [quality(p) if kind == "quality" else p["kl"] for p in pts]
+                    if policy == REFERENCE and source == "sparsekv":
+                        if kind == "quality":
+                            h = ax.scatter(x, y, marker="*", s=160, color="black", zorder=5)
+                            ax.axhline(y[0], color="black", lw=0.8, ls="--", alpha=0.6)
+                            handles.setdefault("full cache", h)
+                        continue
+                    if kind == "kl":
+                        y = [max(v, 1e-6) if v is not None and not math.isnan(v) else float("nan") for v in y]
+                    style = "-" if source == "sparsekv" else "--"
+                    label = policy if source == "sparsekv" else f"{policy} ({source})"
+                    (h,) = ax.plot(x, y, style, marker=markers[(source, policy)], ms=5, lw=1.5,
+                                   color=colors[(source, policy)], mfc="none" if source != "sparsekv" else None)
+                    handles.setdefault(label, h)
+                ax.set_title(task, fontsize=11)
+                ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
+                ax.set_xlabel("KV cache after compression (MiB)", fontsize=9)
+                if kind == "quality":
+                    ylabel = metric + (" (lower is better)" if metric in _LOWER_IS_BETTER else "")
+                    ax.set_ylabel(ylabel, fontsize=9)
+                    if metric not in _LOWER_IS_BETTER:
+                        ax.set_ylim(-0.03, 1.03)
+                else:
+                    ax.set_yscale("log")
+                    ax.set_ylabel("KL(full || method), nats", fontsize=9)
+                if kind == "kl":
+                    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+                ax.grid(alpha=0.3, which="both" if kind == "kl" else "major")
+                ax.tick_params(labelsize=8)
+            for ax in list(axes.flat)[n:]:
+                ax.set_visible(False)
+            title = "Quality" if kind == "quality" else "KL divergence from the full cache"
+            fig.suptitle(f"{title} vs KV memory - protocol {protocol}, {length} tokens "
+                         f"(points: budgets, left = smallest)", fontsize=12)
+            fig.legend(list(handles.values()), list(handles.keys()), loc="outside lower center",
+                       ncol=min(6, max(1, len(handles))), fontsize=9, frameon=False)
+            p = out / f"{kind}_{protocol}_{length}.png"
+            fig.savefig(p, dpi=110)
+            plt.close(fig)
+            written.append(p)
+    return written
+
+
+def write_reports(out: str | Path) -> dict[str, Any]:
+    """Rewrite summary.csv, summary.md and the plots of an evaluation folder from its results."""
+    from sparsekv.evaluation.runner import read_rows
+
+    out = Path(out)
+    rows = read_rows(out / "results.jsonl")
+    if not rows:
+        raise ValueError(f"{out / 'results.jsonl'} holds no rows")
+    config = None
+    if (out / "config.yaml").exists():
+        config = yaml.safe_load((out / "config.yaml").read_text())
+    summary = summarize(rows)
+    write_csv(summary, out / "summary.csv")
+    write_markdown(summary, out / "summary.md", config)
+    plots = plot(summary, out)
+    return {"summary": summary, "plots": plots}

@@ -1,0 +1,442 @@
+"""Runs an evaluation grid: every sample under every protocol, the full cache first (the
+reference), then every policy x budget; one result row per run, appended to `results.jsonl`.
+
+How one run goes (batch 1, greedy, no sampling):
+- "answer" and "generate" samples: the prompt is prefilled with `logits_to_keep=1`; under the
+  agnostic protocol the context alone first (the cache compresses it), then the question through
+  the compressed cache; under the aware protocol context + question in one forward. Then
+  greedy decoding token by token up to `max_new_tokens` or an end-of-sequence token.
+- "continuation" samples: the context is prefilled (compressed), then the held-out continuation
+  is teacher-forced through the cache and scored position by position.
+
+KL divergence, KL(full || policy) in nats from the next-token distributions:
+- `kl`: at the first decoding step whose logits came from the compressed cache, i.e. step 0
+  under the agnostic protocol (the question's forward) and step 1 under the aware protocol or
+  without a question (step 0 comes from the prefill itself, which attends to everything before
+  the cache compresses); step 0 whenever the prompt is prefilled in chunks. It is computed only
+  while the policy's output so far equals the full cache's (same inputs), else NaN.
+- `kl_mean`: the mean over all such steps with a shared prefix (for continuation samples: over
+  every teacher-forced position, which always share their inputs).
+
+Row format (also what peers such as kvpress write; see `ingest_rows`): `sample_id`, `task`,
+`length`, `protocol`, `policy` (label), `budget` (1.0 for the reference), `source`
+("sparsekv" or the peer's name), `output` (generated text), `score`, `kl`, `kl_mean`,
+`kv_bytes_compressed`, `kv_bytes_end`, `peak_rss_mb`, `prefill_s`, `decode_tok_s`,
+`error` (None, or the error text of a run that crashed: it counts as a miss), plus the
+per-task extras listed in `ROW_FIELDS`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from sparsekv.evaluation import metrics as M
+from sparsekv.evaluation.codec import Codec
+from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec
+from sparsekv.evaluation.tasks import Sample, get_task, make_sample
+
+ROW_FIELDS = (
+    "source", "sample_id", "task", "length", "n_tokens", "protocol", "policy", "policy_spec",
+    "budget", "answer", "output", "output_ids", "score", "kl", "kl_mean", "nll", "ppl", "top1",
+    "agreement", "prefix_match", "repetition", "kv_bytes_compressed", "kv_bytes_end",
+    "peak_rss_mb", "prefill_s", "decode_s", "decode_tok_s", "new_tokens", "depth", "error",
+)
+REQUIRED_PEER_FIELDS = ("sample_id", "task", "length", "protocol", "policy", "budget")
+NAN = float("nan")
+
+
+@dataclass
+class Reference:
+    """What the full cache produced for one sample and protocol: tokens and log-probabilities
+    per step `(steps, vocab)` (continuation: per teacher-forced position)."""
+
+    output_ids: list[int]
+    logprobs: torch.Tensor
+    score: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_samples(cfg: EvalConfig, codec: Codec) -> list[Sample]:
+    """Every sample of the grid, in order task -> length -> index (deterministic)."""
+    out = []
+    for task in cfg.tasks:
+        opts = dict(cfg.task_options.get(task, {}))
+        max_new = opts.pop("max_new_tokens", None)
+        for length in cfg.lengths:
+            for i in range(cfg.samples):
+                s = make_sample(task, codec, length, i, seed=cfg.seed, **opts)
+                if max_new is not None:
+                    s.max_new_tokens = int(max_new)
+                out.append(s)
+    return out
+
+
+def write_prompts(samples: list[Sample], cfg: EvalConfig, path: Path) -> None:
+    """One JSON line per sample: the `Sample` fields (texts and token ids), the protocols it runs
+    under, and `prompt` (context + question as text). Peers read this to run the same prompts."""
+    with open(path, "w") as f:
+        for s in samples:
+            d = s.to_dict()
+            d["protocols"] = cfg.protocols_for(s.task)
+            d["prompt"] = s.context + s.question
+            f.write(json.dumps(d) + "\n")
+
+
+def read_prompts(path: Path) -> list[Sample]:
+    samples = []
+    with open(path) as f:
+        for line in f:
+            d = json.loads(line)
+            d.pop("protocols", None)
+            d.pop("prompt", None)
+            samples.append(Sample.from_dict(d))
+    return samples
+
+
+class Runner:
+    """Executes single runs on one model. `run_reference` first, then `run_policy` per method."""
+
+    def __init__(self, model, codec: Codec, cfg: EvalConfig):
+        self.model = model
+        self.codec = codec
+        self.cfg = cfg
+        self.device = next(model.parameters()).device
+        self._adapters: dict[str, Any] = {}
+
+    # ---- building ---------------------------------------------------------------------------
+    def build_policy(self, spec: PolicySpec):
+        from sparsekv import policies
+
+        if spec.name.startswith("learned:"):
+            path = spec.name.split(":", 1)[1]
+            if path not in self._adapters:
+                from sparsekv.adapter import ScorerAdapter
+
+                self._adapters[path] = ScorerAdapter.from_pretrained(path)
+            return policies.get("learned", adapter=self._adapters[path], **spec.policy_kwargs)
+        return policies.get(spec.name, **spec.policy_kwargs)
+
+    def eviction_config(self, spec: PolicySpec, budget):
+        from sparsekv import EvictionConfig
+
+        return EvictionConfig(budget=budget, **{**self.cfg.eviction, **spec.eviction})
+
+    def _make_cache(self, spec: PolicySpec | None, budget):
+        if spec is None:
+            from transformers import DynamicCache
+
+            return DynamicCache(config=self.model.config)
+        from sparsekv import SparseKVCache
+
+        return SparseKVCache(self.model, self.eviction_config(spec, budget), self.build_policy(spec))
+
+    # ---- model calls ------------------------------------------------------------------------
+    def _forward(self, ids: list[int], cache, keep: int) -> torch.Tensor:
+        t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=t, cache=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0].float()  # (keep or len(ids), vocab)
+
+    def _chunk(self, spec: PolicySpec | None) -> int | None:
+        if spec is None:
+            return None
+        return {**self.cfg.eviction, **spec.eviction}.get("prefill_chunk")
+
+    @torch.no_grad()
+    def _execute(self, sample: Sample, protocol: str, cache, chunk: int | None) -> dict[str, Any]:
+        """One run through `cache`; returns raw outputs (token ids, step logits) and measurements."""
+        ctx, q = sample.context_ids, sample.question_ids
+        split = protocol == "agnostic" and bool(q)
+        res: dict[str, Any] = {}
+        with M.PeakRSS() as rss:
+            t0 = time.perf_counter()
+            if split or sample.kind == "continuation":
+                logits = self._forward(ctx, cache, 1)
+                res["kv_bytes_compressed"] = M.kv_bytes(cache)
+                if q:
+                    logits = self._forward(q, cache, 1)
+            else:
+                logits = self._forward(ctx + q, cache, 1)
+                res["kv_bytes_compressed"] = M.kv_bytes(cache)
+            res["prefill_s"] = time.perf_counter() - t0
+            chunked = chunk is not None and len(ctx) + len(q) > chunk
+            res["first_compressed"] = 0 if (split or chunked) else 1
+            t1 = time.perf_counter()
+            if sample.kind == "continuation":
+                tgt = sample.target_ids[:-1]
+                step = chunk or len(tgt)
+                parts = [self._forward(tgt[i : i + step], cache, 0) for i in range(0, len(tgt), step)]
+                res["step_logits"] = torch.cat(parts, 0)  # (K-1, vocab) predicting target[1:]
+                res["output_ids"] = []
+            else:
+                steps = [logits[-1]]
+                out = [int(logits[-1].argmax())]
+                while len(out) < sample.max_new_tokens and out[-1] not in self.codec.eos_ids:
+                    logits = self._forward([out[-1]], cache, 1)
+                    steps.append(logits[-1])
+                    out.append(int(logits[-1].argmax()))
+                res["step_logits"] = torch.stack(steps)
+                res["output_ids"] = out
+            res["decode_s"] = time.perf_counter() - t1
+            res["kv_bytes_end"] = M.kv_bytes(cache)
+        res["peak_rss_mb"] = rss.peak / 2**20
+        return res
+
+    def _row(self, sample: Sample, protocol: str, label: str, spec_text: str, budget) -> dict[str, Any]:
+        row = {k: None for k in ROW_FIELDS}
+        row.update(
+            source="sparsekv", sample_id=sample.sample_id, task=sample.task,
+            length=sample.metadata["target_length"], n_tokens=sample.metadata["n_tokens"],
+            protocol=protocol, policy=label, policy_spec=spec_text, budget=budget,
+            answer=sample.answer, depth=sample.metadata.get("depth"),
+        )
+        return row
+
+    def _fill(self, row: dict, sample: Sample, res: dict, ref: Reference | None) -> tuple[dict, torch.Tensor]:
+        """Turn raw outputs into metrics; returns the row and the log-probabilities."""
+        lp = torch.log_softmax(res["step_logits"], dim=-1)
+        row.update(
+            kv_bytes_compressed=res["kv_bytes_compressed"], kv_bytes_end=res["kv_bytes_end"],
+            peak_rss_mb=round(res["peak_rss_mb"], 1), prefill_s=round(res["prefill_s"], 4),
+            decode_s=round(res["decode_s"], 4),
+        )
+        if sample.kind == "continuation":
+            tgt = torch.tensor(sample.target_ids[1:], device=lp.device)
+            nll = -lp.gather(-1, tgt[:, None])[:, 0]
+            row["nll"] = float(nll.mean())
+            row["ppl"] = math.exp(row["nll"])
+            row["top1"] = float((lp.argmax(-1) == tgt).float().mean())
+            row["score"] = row["top1"]
+            row["output"] = ""
+            row["output_ids"] = []
+            if ref is not None:
+                kl = M.kl_divergence(ref.logprobs, lp)
+                row["kl_mean"] = float(kl.mean())
+                row["kl"] = row["kl_mean"]
+            return row, lp
+        out = res["output_ids"]
+        n = len(out)
+        row["output_ids"] = out
+        row["output"] = self.codec.decode(out)
+        row["new_tokens"] = n
+        row["decode_tok_s"] = round((n - 1) / res["decode_s"], 2) if n > 1 and res["decode_s"] > 0 else None
+        row["repetition"] = M.repetition_rate(out)
+        if sample.kind == "answer":
+            row["score"] = M.score_answer(row["output"], sample.answer)
+        if ref is not None:
+            agree, prefix = M.token_agreement(ref.output_ids, out)
+            row["agreement"], row["prefix_match"] = agree, prefix
+            if sample.kind == "generate":
+                row["score"] = agree
+            first = res["first_compressed"]
+            valid = [t for t in range(first, min(len(ref.logprobs), len(lp))) if t <= prefix]
+            if valid:
+                kls = M.kl_divergence(ref.logprobs[valid], lp[valid])
+                row["kl_mean"] = float(kls.mean())
+                row["kl"] = float(kls[0]) if valid[0] == first else NAN
+            else:
+                row["kl"] = row["kl_mean"] = NAN
+        return row, lp
+
+    # ---- public -----------------------------------------------------------------------------
+    def run_reference(self, sample: Sample, protocol: str) -> tuple[dict[str, Any], Reference]:
+        """The full cache (transformers' DynamicCache): the row and what later runs compare with."""
+        cache = self._make_cache(None, None)
+        res = self._execute(sample, protocol, cache, None)
+        row = self._row(sample, protocol, REFERENCE, REFERENCE, 1.0)
+        row, lp = self._fill(row, sample, res, None)
+        if sample.kind != "continuation":
+            row["agreement"], row["prefix_match"] = 1.0, len(res["output_ids"])
+            if sample.kind == "generate":
+                row["score"] = 1.0
+        row["kl"] = row["kl_mean"] = 0.0
+        return row, Reference(res["output_ids"], lp, row["score"])
+
+    def run_policy(self, sample: Sample, protocol: str, spec: PolicySpec, budget, ref: Reference) -> dict[str, Any]:
+        """One policy at one budget; a crash becomes a row with `error` set and score 0."""
+        row = self._row(sample, protocol, spec.label, spec.spec, budget)
+        try:
+            cache = self._make_cache(spec, budget)
+            try:
+                res = self._execute(sample, protocol, cache, self._chunk(spec))
+            finally:
+                if hasattr(cache, "close"):
+                    cache.close()
+            row, _ = self._fill(row, sample, res, ref)
+        except Exception as e:  # noqa: BLE001 - a crashing method is a measured miss, not a stop
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["score"] = 0.0
+            row["kl"] = row["kl_mean"] = NAN
+            tb = traceback.format_exc(limit=3)
+            print(f"\n[sparsekv eval] {spec.label} @ {budget} on {sample.sample_id} failed:\n{tb}", file=sys.stderr)
+        return row
+
+
+def grid_size(cfg: EvalConfig, samples: list[Sample]) -> tuple[int, int]:
+    """(number of runs, number of prompt tokens processed) of the whole grid."""
+    runs = tokens = 0
+    per = 1 + len(cfg.policy_specs) * len(cfg.budgets)
+    for s in samples:
+        k = len(cfg.protocols_for(s.task)) * per
+        runs += k
+        tokens += k * s.metadata["n_tokens"]
+    return runs, tokens
+
+
+def _environment(model, codec) -> dict[str, Any]:
+    import transformers
+
+    from sparsekv import __version__
+
+    return {
+        "sparsekv": __version__, "torch": str(torch.__version__), "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+        "model_class": type(model).__name__, "tokenizer": codec.name,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _json_default(x):
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def _clean(row: dict) -> dict:
+    return {k: (None if isinstance(v, float) and (math.isnan(v) or math.isinf(v)) else v) for k, v in row.items()}
+
+
+def dump_row(f, row: dict) -> None:
+    f.write(json.dumps(_clean(row), default=_json_default) + "\n")
+    f.flush()
+
+
+def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: bool = True,
+             report: bool = True) -> Path:
+    """Run the grid of `cfg` and write everything into `cfg.out`; returns the folder."""
+    from tqdm.auto import tqdm
+
+    from sparsekv.evaluation.models import load_model
+
+    if cfg.out is None:
+        raise ValueError("out is not set: give --out DIR (or out: in the config)")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    if model is None:
+        model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
+    elif codec is None:
+        raise ValueError("pass the codec together with the model")
+    runner = Runner(model, codec, cfg)
+    for spec in cfg.policy_specs:  # fail before any work on a policy that cannot be built
+        runner.build_policy(spec)
+    samples = build_samples(cfg, codec)
+    write_prompts(samples, cfg, out / "prompts.jsonl")
+    resolved = {**cfg.to_dict(), "policy_specs": [p.to_dict() for p in cfg.policy_specs],
+                "environment": _environment(model, codec)}
+    (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    n_runs, n_tokens = grid_size(cfg, samples)
+    bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, disable=not progress,
+               desc=f"eval {n_runs} runs", dynamic_ncols=True)
+    done = 0
+    with open(out / "results.jsonl", "w") as f:
+        for s in samples:
+            for protocol in cfg.protocols_for(s.task):
+                bar.set_postfix_str(f"{s.sample_id} {protocol} full", refresh=False)
+                row, ref = runner.run_reference(s, protocol)
+                dump_row(f, row)
+                done += 1
+                bar.update(s.metadata["n_tokens"])
+                for spec in cfg.policy_specs:
+                    for budget in cfg.budgets:
+                        bar.set_postfix_str(f"{s.sample_id} {protocol} {spec.label}@{budget} [{done}/{n_runs}]",
+                                            refresh=False)
+                        dump_row(f, runner.run_policy(s, protocol, spec, budget, ref))
+                        done += 1
+                        bar.update(s.metadata["n_tokens"])
+                del ref
+    bar.close()
+    if report:
+        from sparsekv.evaluation.report import write_reports
+
+        write_reports(out)
+    return out
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i} is not a JSON row: {e}") from None
+    return rows
+
+
+def ingest_rows(out: str | Path, rows_path: str | Path, source: str | None = None) -> int:
+    """Add result rows produced elsewhere (e.g. the kvpress peer run on `prompts.jsonl`) to the
+    results of `out`, then rewrite the summary and plots. Returns the number of rows added.
+
+    Each row needs `sample_id`, `task`, `length`, `protocol`, `policy`, `budget` and either
+    `output` (re-scored here against the answer in `prompts.jsonl`) or `score`; the other
+    fields of `ROW_FIELDS` are optional. Rows with the same (source, policy, budget, protocol,
+    sample_id) as an existing row replace it.
+    """
+    from sparsekv.evaluation.report import write_reports
+
+    out = Path(out)
+    prompts = {s.sample_id: s for s in read_prompts(out / "prompts.jsonl")}
+    new = read_rows(Path(rows_path))
+    cleaned = []
+    for i, r in enumerate(new, 1):
+        missing = [k for k in REQUIRED_PEER_FIELDS if k not in r]
+        if missing:
+            raise ValueError(
+                f"{rows_path} row {i}: missing field(s) {missing}; required: {', '.join(REQUIRED_PEER_FIELDS)}"
+            )
+        if r["sample_id"] not in prompts:
+            raise ValueError(f"{rows_path} row {i}: sample_id {r['sample_id']!r} is not in {out / 'prompts.jsonl'}")
+        s = prompts[r["sample_id"]]
+        row = {k: None for k in ROW_FIELDS}
+        row.update(r)
+        row["source"] = source or r.get("source") or "peer"
+        row["answer"] = s.answer
+        if row.get("error") and row.get("score") is None:
+            row["score"] = 0.0  # a crash counts as a miss
+        elif row.get("score") is None and s.kind == "answer" and row.get("output") is not None:
+            row["score"] = M.score_answer(row["output"], s.answer)
+        row.setdefault("n_tokens", s.metadata.get("n_tokens"))
+        row.setdefault("depth", s.metadata.get("depth"))
+        get_task(row["task"])
+        cleaned.append(row)
+    def key(r: dict) -> tuple:
+        return (r.get("source"), r["policy"], str(r["budget"]), r["protocol"], r["sample_id"])
+
+    results = out / "results.jsonl"
+    old = read_rows(results) if results.exists() else []
+    replaced = {key(r) for r in cleaned}
+    rows = [r for r in old if key(r) not in replaced] + cleaned
+    with open(results, "w") as f:
+        for r in rows:
+            dump_row(f, r)
+    write_reports(out)
+    return len(cleaned)

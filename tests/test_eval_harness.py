@@ -1,0 +1,219 @@
+"""The evaluation harness end to end on a tiny random model: files, rows, reproducibility,
+peer rows, and clear errors for bad configs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparsekv.cli import main
+from sparsekv.evaluation.config import EvalConfig, parse_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = {"prefill_s", "decode_s", "decode_tok_s", "peak_rss_mb"}
+GRID = ["--model", "tiny:llama", "--policy", "snapkv,h2o", "--budget", "0.3", "--tasks", "passkey,ppl",
+        "--lengths", "512", "--samples", "2", "--seed", "3", "--threads", "1", "--no-progress"]
+
+
+def _rows(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "results.jsonl").read_text().splitlines() if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eval") / "run"
+    assert main(["eval", *GRID, "--out", str(out)]) == 0
+    return out
+
+
+def test_end_to_end_writes_every_output(run_dir):
+    for name in ("results.jsonl", "summary.csv", "summary.md", "config.yaml", "prompts.jsonl",
+                 "quality_agnostic_512.png", "quality_aware_512.png", "kl_agnostic_512.png", "kl_aware_512.png"):
+        assert (run_dir / name).is_file() and (run_dir / name).stat().st_size > 0, name
+    rows = _rows(run_dir)
+    # passkey: 2 samples x 2 protocols x (full + 2 policies); ppl: 2 samples x agnostic x 3.
+    assert len(rows) == 2 * 2 * 3 + 2 * 1 * 3
+    assert {r["policy"] for r in rows} == {"full", "snapkv", "h2o"}
+    assert all(r["error"] is None for r in rows)
+    ref = {(r["sample_id"], r["protocol"]): r for r in rows if r["policy"] == "full"}
+    for r in rows:
+        full = ref[(r["sample_id"], r["protocol"])]
+        if r["policy"] == "full":
+            assert r["kl"] == 0.0 and r["budget"] == 1.0
+            continue
+        assert r["kv_bytes_compressed"] < 0.5 * full["kv_bytes_compressed"]
+        assert r["kl"] is not None and r["kl"] >= 0.0
+        assert r["prefill_s"] > 0 and r["peak_rss_mb"] > 0
+        if r["task"] == "ppl":
+            assert r["ppl"] > 1 and 0 <= r["top1"] <= 1
+        else:
+            assert len(r["output_ids"]) >= 1 and r["score"] in (0.0, 1.0)
+    with open(run_dir / "summary.csv") as f:
+        summary = list(csv.DictReader(f))
+    assert len(summary) == 3 * 2 + 3  # passkey x 2 protocols + ppl, each full + 2 policies
+    assert {s["kv_frac"] for s in summary if s["policy"] == "full"} == {"1.0"}
+    md = (run_dir / "summary.md").read_text()
+    assert "## Protocol: agnostic, 512 tokens" in md and "## Protocol: aware, 512 tokens" in md
+    assert "snapkv @ 0.3" in md and "full cache" in md
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["budgets"] == [0.3] and cfg["environment"]["torch_threads"] == 1
+    prompts = [json.loads(x) for x in (run_dir / "prompts.jsonl").read_text().splitlines()]
+    assert len(prompts) == 4 and prompts[0]["protocols"] == ["agnostic", "aware"]
+    assert prompts[-1]["task"] == "ppl" and prompts[-1]["protocols"] == ["agnostic"]
+
+
+def test_same_seed_same_prompts_and_numbers(run_dir, tmp_path):
+    again = tmp_path / "again"
+    assert main(["eval", *GRID, "--out", str(again)]) == 0
+    assert (again / "prompts.jsonl").read_text() == (run_dir / "prompts.jsonl").read_text()
+    a, b = _rows(run_dir), _rows(again)
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in a] == [
+        {k: v for k, v in r.items() if k not in TIMING} for r in b
+    ]
+
+
+def test_budget_one_matches_the_full_cache(tmp_path):
+    out = tmp_path / "b1"
+    args = ["eval", "--model", "tiny:gemma3", "--policy", "snapkv", "--budget", "1.0", "--tasks", "passkey,gen",
+            "--lengths", "256", "--samples", "1", "--threads", "1", "--no-progress", "--out", str(out)]
+    assert main(args) == 0
+    rows = _rows(out)
+    ref = {(r["sample_id"], r["protocol"]): r for r in rows if r["policy"] == "full"}
+    for r in rows:
+        if r["policy"] == "snapkv":
+            full = ref[(r["sample_id"], r["protocol"])]
+            assert r["output_ids"] == full["output_ids"]
+            assert r["kv_bytes_compressed"] == full["kv_bytes_compressed"]
+            assert r["kl_mean"] < 1e-6 and r["agreement"] == 1.0
+
+
+def test_dump_prompts_and_ingest_peer_rows(run_dir, tmp_path, capsys):
+    dump = tmp_path / "dump"
+    assert main(["eval", *GRID, "--out", str(dump), "--dump-prompts"]) == 0
+    assert (dump / "prompts.jsonl").read_text() == (run_dir / "prompts.jsonl").read_text()
+    assert not (dump / "results.jsonl").exists()
+
+    # A peer writes rows for the same prompts: one right answer, one wrong, one crash.
+    prompts = [json.loads(x) for x in (run_dir / "prompts.jsonl").read_text().splitlines()]
+    pk = [p for p in prompts if p["task"] == "passkey"]
+    peer = [
+        {"sample_id": pk[0]["sample_id"], "task": "passkey", "length": 512, "protocol": "agnostic",
+         "policy": "kvpress:snapkv", "budget": 0.3, "output": f" {pk[0]['answer']}.", "kl": 0.5,
+         "kv_bytes_compressed": 1000},
+        {"sample_id": pk[1]["sample_id"], "task": "passkey", "length": 512, "protocol": "agnostic",
+         "policy": "kvpress:snapkv", "budget": 0.3, "output": " 0.", "kl": 0.7, "kv_bytes_compressed": 1000},
+        {"sample_id": pk[0]["sample_id"], "task": "passkey", "length": 512, "protocol": "agnostic",
+         "policy": "kvpress:knorm", "budget": 0.3, "error": "RuntimeError: mask size mismatch"},
+    ]
+    rows_file = tmp_path / "peer.jsonl"
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in peer))
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("results.jsonl", "prompts.jsonl", "config.yaml"):
+        (work / name).write_text((run_dir / name).read_text())
+    assert main(["eval", "--out", str(work), "--ingest", str(rows_file), "--source", "kvpress"]) == 0
+    rows = _rows(work)
+    assert len(rows) == len(_rows(run_dir)) + 3
+    got = {(r["policy"], r["sample_id"]): r for r in rows if r["source"] == "kvpress"}
+    assert got[("kvpress:snapkv", pk[0]["sample_id"])]["score"] == 1.0
+    assert got[("kvpress:snapkv", pk[1]["sample_id"])]["score"] == 0.0
+    assert got[("kvpress:knorm", pk[0]["sample_id"])]["score"] == 0.0
+    with open(work / "summary.csv") as f:
+        peer_sum = [s for s in csv.DictReader(f) if s["source"] == "kvpress"]
+    by = {s["policy"]: s for s in peer_sum}
+    assert by["kvpress:snapkv"]["score"] == "0.5" and by["kvpress:knorm"]["errors"] == "1"
+    assert "kvpress:snapkv @ 0.3" in (work / "summary.md").read_text()
+    # Ingesting the same rows again replaces them instead of duplicating.
+    assert main(["eval", "--out", str(work), "--ingest", str(rows_file), "--source", "kvpress"]) == 0
+    assert len(_rows(work)) == len(rows)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"sample_id": "nope", "task": "passkey"}) + "\n")
+    assert main(["eval", "--out", str(work), "--ingest", str(bad)]) == 2
+    assert "missing field(s)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tasks", "passkey,needle"], "unknown task 'needle'; known tasks: passkey, multikey"),
+        (["--policy", "snapkv,magic"], "unknown policy 'magic'"),
+        (["--budget", "1.5"], "a float budget is a fraction in (0, 1]"),
+        (["--budget", "abc"], "budget 'abc' is not a number"),
+        (["--protocol", "blind"], "allowed values: agnostic, aware"),
+        (["--lengths", "12"], "lengths are >= 64 tokens"),
+        (["--policy", "snapkv@window"], "must be KEY=VALUE"),
+        (["--policy", "snapkv@schedule=zigzag"], "schedule='zigzag' is not supported"),
+        (["--model", "tiny:gpt2"], "allowed: llama, qwen2"),
+        (["--eviction", "rerank_every=-1"], "rerank_every=-1 must be an int >= 0"),
+    ],
+)
+def test_bad_flags_give_clear_errors(argv, message, tmp_path, capsys):
+    assert main(["eval", "--model", "tiny:llama", "--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_malformed_config_files_give_clear_errors(tmp_path, capsys):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("tasks: [passkey\nbudgets: 0.3\n")
+    assert main(["eval", "--config", str(bad_yaml)]) == 2
+    assert "is not valid YAML" in capsys.readouterr().err
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("model: tiny:llama\ntask_list: [passkey]\nout: x\n")
+    assert main(["eval", "--config", str(unknown)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown eval config field(s) ['task_list']" in err and "allowed: out, model" in err
+    bad_task = tmp_path / "task.yaml"
+    bad_task.write_text("model: tiny:llama\ntasks: [passkey, haystack]\nout: x\n")
+    assert main(["eval", "--config", str(bad_task)]) == 2
+    assert "unknown task 'haystack'" in capsys.readouterr().err
+    opts = tmp_path / "opts.yaml"
+    opts.write_text("model: tiny:llama\ntask_options: {multikey: {keys: 3}}\nout: x\n")
+    assert main(["eval", "--config", str(opts)]) == 2
+    assert "allowed: num_keys, digits, max_new_tokens" in capsys.readouterr().err
+    assert main(["eval", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_flags_override_the_config_file(tmp_path):
+    import argparse
+
+    from sparsekv.evaluation.cli import add_eval_parser, resolve_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: tiny:llama\npolicies: [snapkv]\nbudgets: [0.1, 0.2]\nsamples: 4\n"
+                    "eviction: {rerank_every: 4}\nout: a\n")
+    parser = argparse.ArgumentParser()
+    add_eval_parser(parser.add_subparsers())
+    args = parser.parse_args(["eval", "--config", str(path), "--samples", "2", "--adapter", "ckpt/x",
+                              "--eviction", "recent_window=32"])
+    cfg = resolve_config(args)
+    assert cfg.samples == 2 and cfg.budgets == [0.1, 0.2]
+    assert cfg.policies == ["snapkv", "learned:ckpt/x"]
+    assert cfg.eviction == {"rerank_every": 4, "recent_window": 32}
+
+
+def test_policy_spec_syntax():
+    p = parse_policy("learned:checkpoints/run/final@blend=0.5@schedule=pyramid@rerank_every=4@label=mine")
+    assert p.name == "learned:checkpoints/run/final" and p.label == "mine"
+    assert p.policy_kwargs == {"blend": 0.5}
+    assert p.eviction == {"schedule": "pyramid", "rerank_every": 4}
+    q = parse_policy({"policy": "snapkv", "window": 16, "recent_window": 32})
+    assert q.policy_kwargs == {"window": 16} and q.eviction == {"recent_window": 32}
+    assert parse_policy("h2o").label == "h2o"
+    with pytest.raises(ValueError, match="needs an adapter"):
+        parse_policy("learned")
+    with pytest.raises(ValueError, match="labels must be unique"):
+        EvalConfig(model="tiny:llama", policies=["snapkv", "snapkv"])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "eval").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = EvalConfig.from_yaml(path)
+    assert cfg.out and cfg.tasks and cfg.policy_specs
+    assert path.read_text().startswith("#")  # opens with how to run it
