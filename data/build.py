@@ -1,0 +1,318 @@
+"""Offline training text for the gating head: real prose every machine has + synthetic retrieval.
+
+This module owns building the training corpus as JSONL records `{"text": ..., "source": ...}`:
+
+- prose that ships with Python itself: the `pydoc_data.topics` help pages and the docstrings of
+  the standard library (read from the source files with `ast`: nothing is imported or run), plus
+  Debian's license texts under /usr/share/common-licenses where present;
+- synthetic long-context retrieval samples hidden in that prose, so that the head learns that a
+  needle matters: a pass key ("passkey"), several key-value lines ("kv") and a chain of variable
+  assignments ("vars", multi-hop). Each ends with its question and answer, so the frozen model's
+  attention from the answer back to the needle is part of the teacher signal.
+
+Everything is deterministic from `seed`. The module knows nothing about tokenizers or models;
+the trainer packs the text into token blocks. Output is written atomically (temp file + rename).
+
+    python data/build.py --out data/train.jsonl                 # defaults (~8 MB of text)
+    python data/build.py --out data/small.jsonl --max_prose_chars 200000 --synthetic 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import itertools
+import json
+import os
+import random
+import re
+import sysconfig
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+SOURCES = ("pydoc", "docstrings", "licenses")
+KINDS = ("passkey", "kv", "vars")
+LICENSE_DIR = Path("/usr/share/common-licenses")
+
+
+@dataclass
+class BuildConfig:
+    seed: int = 0
+    """Seed for the document order, the prose windows and every synthetic value."""
+    max_prose_chars: int = 4_000_000
+    """Stop adding prose documents once this many characters are collected."""
+    max_doc_chars: int = 20_000
+    """Longer prose documents are split (at paragraph breaks) into pieces of at most this size."""
+    synthetic: int = 1000
+    """Number of synthetic retrieval samples."""
+    context_chars: int = 4000
+    """Characters of prose around the needles of one synthetic sample (about 4 per token)."""
+    kinds: list[str] = field(default_factory=lambda: list(KINDS))
+    """Synthetic sample kinds to draw from: passkey, kv, vars."""
+    sources: list[str] = field(default_factory=lambda: list(SOURCES))
+    """Prose sources: pydoc, docstrings, licenses."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_prose_chars", "max_doc_chars", "context_chars"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
+        if not isinstance(self.synthetic, int) or self.synthetic < 0:
+            raise ValueError(f"synthetic={self.synthetic!r} must be an int >= 0")
+        for name, allowed in (("kinds", KINDS), ("sources", SOURCES)):
+            vals = getattr(self, name)
+            bad = [v for v in vals if v not in allowed] if isinstance(vals, list) else [vals]
+            if bad or not vals:
+                raise ValueError(
+                    f"{name}={vals!r} must be a non-empty list of: {', '.join(allowed)}"
+                )
+
+
+# ---------------------------------------------------------------- prose
+
+
+def _pydoc_docs() -> list[tuple[str, str]]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # pragma: no cover - some distributions strip pydoc_data
+        return []
+    return [(f"pydoc:{k}", v) for k, v in sorted(topics.items())]
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
+    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
+    return sorted(files)
+
+
+def _docstrings_text(path: Path) -> str:
+    """Module, class and function docstrings of one source file, as one document."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+        return ""
+    parts = []
+    doc = ast.get_docstring(tree)
+    if doc:
+        parts.append(f"Module {path.stem}.\n\n{doc}")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            d = ast.get_docstring(node)
+            if d and len(d) > 40:
+                parts.append(f"{node.name}: {d}")
+    return "\n\n".join(parts)
+
+
+def _license_docs() -> list[tuple[str, Path]]:
+    if not LICENSE_DIR.is_dir():
+        return []
+    return [(f"license:{p.name}", p) for p in sorted(LICENSE_DIR.iterdir()) if p.is_file()]
+
+
+def _split_doc(text: str, limit: int) -> list[str]:
+    """Cut `text` at paragraph breaks into pieces of at most `limit` characters."""
+    pieces, cur = [], ""
+    for para in text.split("\n\n"):
+        while len(para) > limit:
+            pieces.append(para[:limit])
+            para = para[limit:]
+        if cur and len(cur) + len(para) + 2 > limit:
+            pieces.append(cur)
+            cur = ""
+        cur = f"{cur}\n\n{para}" if cur else para
+    if cur.strip():
+        pieces.append(cur)
+    return pieces
+
+
+def collect_prose(cfg: BuildConfig) -> list[dict]:
+    """Prose records in a seed-shuffled document order, up to `cfg.max_prose_chars`."""
+    items: list[tuple[str, object]] = []
+    if "pydoc" in cfg.sources:
+        items += _pydoc_docs()
+    if "docstrings" in cfg.sources:
+        items += [(f"docstrings:{p.stem}", p) for p in _stdlib_files()]
+    if "licenses" in cfg.sources:
+        items += _license_docs()
+    random.Random(cfg.seed).shuffle(items)
+    records, total = [], 0
+    for name, item in items:
+        if total >= cfg.max_prose_chars:
+            break
+        if isinstance(item, str):
+            text = item
+        elif name.startswith("docstrings:"):
+            text = _docstrings_text(item)
+        else:
+            text = item.read_text(encoding="utf-8", errors="replace")
+        text = text.strip()
+        if len(text) < 200:
+            continue
+        for piece in _split_doc(text, cfg.max_doc_chars):
+            records.append({"text": piece, "source": name.split(":")[0], "doc": name})
+            total += len(piece)
+    return records
+
+
+# ---------------------------------------------------------------- synthetic retrieval
+
+
+def _window(rng: random.Random, prose: list[str], n: int) -> str:
+    """`n` characters of prose starting at a paragraph of a random document (wrapping docs)."""
+    out = ""
+    while len(out) < n:
+        doc = prose[rng.randrange(len(prose))]
+        paras = [m.end() for m in re.finditer(r"\n\n", doc[: 50 * 400])][:50]
+        start = rng.choice([0] + paras)
+        out += ("\n\n" if out else "") + doc[start:]
+    return out[:n]
+
+
+def _insert(context: str, needles: list[str], depths: list[float]) -> str:
+    """Insert each needle as its own paragraph at the word break nearest its relative depth."""
+    cuts = []
+    for d in depths:
+        pos = int(d * len(context))
+        while 0 < pos < len(context) and not context[pos - 1].isspace():
+            pos -= 1
+        cuts.append(pos)
+    out, last = [], 0
+    for pos, needle in sorted(zip(cuts, needles), key=lambda t: t[0]):
+        out += [context[last:pos], f"\n\n{needle}\n\n"]
+        last = pos
+    out.append(context[last:])
+    return "".join(out)
+
+
+def _digits(rng: random.Random, n: int = 5) -> str:
+    return str(rng.randrange(10 ** (n - 1), 10**n))
+
+
+def _passkey(rng: random.Random, context: str) -> tuple[str, str, str]:
+    key = _digits(rng)
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    text = _insert(context, [needle], [rng.random()])
+    return text, "What is the pass key?", f"The pass key is {key}."
+
+
+def _kv(rng: random.Random, context: str) -> tuple[str, str, str]:
+    n = rng.randint(3, 6)
+    keys = [f"{rng.getrandbits(32):08x}" for _ in range(n)]
+    vals = [_digits(rng) for _ in range(n)]
+    lines = [f"The value of key {k} is {v}." for k, v in zip(keys, vals)]
+    text = _insert(context, lines, [rng.random() for _ in range(n)])
+    i = rng.randrange(n)
+    return text, f"What is the value of key {keys[i]}?", f"The value of key {keys[i]} is {vals[i]}."
+
+
+def _vars(rng: random.Random, context: str) -> tuple[str, str, str]:
+    hops = rng.randint(2, 4)
+    names = rng.sample([a + b + c for a in "BCDFGH" for b in "KLMNPR" for c in "STVWXZ"], hops + 2)
+    value = _digits(rng)
+    lines = [f"VAR {names[0]} = {value}."]
+    lines += [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops)]
+    lines += [f"VAR {names[-1]} = {_digits(rng)}.", f"VAR {names[-2]} = VAR {names[-1]}."]
+    depths = sorted(rng.random() for _ in range(hops))  # the chain appears in reading order
+    depths += [rng.random(), rng.random()]
+    text = _insert(context, lines, depths)
+    q = f"What is the value of VAR {names[hops - 1]}?"
+    return text, q, f"VAR {names[hops - 1]} = {value}."
+
+
+_MAKERS = {"passkey": _passkey, "kv": _kv, "vars": _vars}
+
+
+def synthetic_samples(cfg: BuildConfig, prose: list[str]) -> list[dict]:
+    """`cfg.synthetic` retrieval samples: prose window + needle(s) + question + answer."""
+    if not prose or cfg.synthetic == 0:
+        return []
+    rng = random.Random(cfg.seed + 1)
+    out = []
+    for _ in range(cfg.synthetic):
+        kind = rng.choice(cfg.kinds)
+        body, question, answer = _MAKERS[kind](rng, _window(rng, prose, cfg.context_chars))
+        text = f"{body}\n\nQuestion: {question}\nAnswer: {answer}"
+        out.append({"text": text, "source": f"synthetic:{kind}", "answer": answer})
+    return out
+
+
+# ---------------------------------------------------------------- output
+
+
+def build(cfg: BuildConfig) -> list[dict]:
+    """All records (prose + synthetic) in a seed-shuffled order."""
+    prose = collect_prose(cfg)
+    records = prose + synthetic_samples(cfg, [r["text"] for r in prose])
+    random.Random(cfg.seed + 2).shuffle(records)
+    return records
+
+
+def write_jsonl(records: list[dict], out: str | os.PathLike) -> Path:
+    """Write records as JSONL atomically: a temp file in the same folder, then a rename."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def build_file(out: str | os.PathLike, cfg: BuildConfig | None = None) -> Path:
+    """Build the corpus with `cfg` and write it to `out`; returns the path."""
+    return write_jsonl(build(cfg or BuildConfig()), out)
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """The docstring written under each dataclass field (used as CLI help)."""
+    import inspect
+
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {
+        a.target.id: " ".join(b.value.value.split())
+        for a, b in itertools.pairwise(body)
+        if isinstance(a, ast.AnnAssign)
+        and isinstance(b, ast.Expr)
+        and isinstance(b.value, ast.Constant)
+        and isinstance(b.value.value, str)
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="output JSONL path")
+    docs, defaults = _field_docs(BuildConfig), asdict(BuildConfig())
+    for f in fields(BuildConfig):
+        is_list = isinstance(defaults[f.name], list)
+        p.add_argument(
+            f"--{f.name}",
+            type=(lambda s: s.split(",")) if is_list else int,
+            default=None,
+            help=f"{docs.get(f.name, '')} (default: {','.join(defaults[f.name]) if is_list else defaults[f.name]})",
+        )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(_parser().parse_args(argv))
+    out = args.pop("out")
+    cfg = BuildConfig(**{k: v for k, v in args.items() if v is not None})
+    records = build(cfg)
+    path = write_jsonl(records, out)
+    counts = Counter(r["source"] for r in records)
+    chars = sum(len(r["text"]) for r in records)
+    print(f"wrote {len(records)} records ({chars} characters) to {path}")
+    print(json.dumps({"config": asdict(cfg), "records_by_source": dict(sorted(counts.items()))}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,510 @@
+"""Training: the real entry point end to end on a tiny model, exact resume, gradients only in the
+head, a 2-process CPU run, clear config errors, the Hub export, and the pieces (data order,
+data builder, tensors-only checkpoint files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import itertools
+
+from train import checkpoint as ckpt
+from train.config import load_config
+from train.data import BlockDataset, load_texts, tokenize_blocks
+from train.models import ByteTokenizer, load_model
+
+TINY = "configs/train/tiny-cpu.yaml"
+# tiny:llama: 4 full-attention layers, hidden 64, 2 KV heads; MLP head of width 16 per layer:
+# 64*16 + 16 + 16*2 + 2 = 1074 parameters per layer.
+TINY_HEAD_PARAMETERS = 4 * 1074
+STEP_FILES = {
+    "adapter",
+    "optimizer.safetensors",
+    "scheduler.json",
+    "rng_state_0.safetensors",
+    "trainer_state.json",
+}
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONPATH": str(ROOT),
+    "CUDA_VISIBLE_DEVICES": "",
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small built corpus shared by the runs (the builder itself is tested below)."""
+    from data.build import BuildConfig, build_file
+
+    path = tmp_path_factory.mktemp("data") / "tiny.jsonl"
+    return build_file(path, BuildConfig(max_prose_chars=60_000, synthetic=16, context_chars=400))
+
+
+def common(out: Path, corpus: Path) -> list[str]:
+    # schedule_steps fixes the LR schedule so a 4-step run is the prefix of a 6-step run.
+    return [
+        f"output_dir={out}",
+        f"dataset={corpus}",
+        "progress_bar=false",
+        "log_with=none",
+        "schedule_steps=6",
+        "save_every=2",
+    ]
+
+
+def run_cli(args: list[str], timeout: float = 240, launcher: list[str] | None = None):
+    cmd = (launcher or [sys.executable]) + ["train.py", "--config", TINY, *args]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def run_inprocess(args: list[str]) -> dict:
+    from train.loop import main
+
+    threads = torch.get_num_threads()
+    try:
+        return main(["--config", TINY, *args])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def adapter_files() -> set[str]:
+    from sparsekv.adapter import ADAPTER_FILES
+
+    return set(ADAPTER_FILES)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, corpus):
+    """`python train.py --config tiny-cpu.yaml max_steps=4 save_every=2 ...` (the real entry point)."""
+    out = tmp_path_factory.mktemp("runs") / "smoke"
+    proc = run_cli(["max_steps=4", *common(out, corpus)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, corpus) -> Path:
+    """The uninterrupted 6-step reference run (in-process)."""
+    out = tmp_path_factory.mktemp("runs") / "full"
+    run_inprocess(["max_steps=6", *common(out, corpus)])
+    return out
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def test_smoke_run_writes_the_exact_checkpoints(smoke_run):
+    out, proc = smoke_run
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.yaml",
+        "final",
+        "metrics.jsonl",
+        "step-0002",
+        "step-0004",
+    ]
+    for step in (2, 4):
+        d = out / f"step-{step:04d}"
+        assert {p.name for p in d.iterdir()} == STEP_FILES
+        assert {p.name for p in (d / "adapter").iterdir()} == adapter_files()
+        state = json.loads((d / "trainer_state.json").read_text())
+        assert (state["step"], state["samples_seen"], state["world_size"]) == (step, 2 * step, 1)
+        assert state["tokens_seen"] == 2 * step * 128
+        assert state["trainable_parameters"] == TINY_HEAD_PARAMETERS
+    assert {p.name for p in (out / "final").iterdir()} == adapter_files()
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+    assert f"done: 4 steps; trainable parameters {TINY_HEAD_PARAMETERS} " in proc.stdout
+
+
+def test_smoke_run_saves_the_resolved_config_and_a_loadable_adapter(smoke_run):
+    from sparsekv.adapter import ScorerAdapter
+
+    out, _ = smoke_run
+    saved = load_config(out / "config.yaml")
+    assert (saved.max_steps, saved.output_dir, saved.model, saved.seq_len) == (
+        4,
+        str(out),
+        "tiny:llama",
+        128,
+    )
+    assert (out / "config.yaml").read_text().startswith("# Resolved config")
+    adapter = ScorerAdapter.from_pretrained(out / "final")
+    assert adapter.head.num_parameters() == TINY_HEAD_PARAMETERS
+    assert adapter.config.layers == [0, 1, 2, 3] and adapter.config.base_model_id == "tiny:llama"
+    assert adapter.config.training_config["config"]["max_steps"] == 4
+    assert adapter.config.training_config["result"]["last_metrics"]["step"] == 4
+    # final/ holds the weights of the last step
+    last = ScorerAdapter.from_pretrained(out / "step-0004" / "adapter")
+    for k, v in adapter.head.state_dict().items():
+        assert torch.equal(v, last.head.state_dict()[k])
+
+
+def test_resume_gives_the_losses_of_an_uninterrupted_run(smoke_run, full_run, tmp_path, corpus):
+    import shutil
+
+    out = tmp_path / "resumed"
+    shutil.copytree(smoke_run[0], out)
+    summary = run_inprocess(["max_steps=6", *common(out, corpus)])
+    assert summary["step"] == 6
+    assert losses(out) == losses(full_run)  # per step, bit for bit
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
+    assert ckpt.latest(out).name == "step-0006"
+
+
+def test_resume_never_refuses_a_folder_with_checkpoints(smoke_run, corpus):
+    with pytest.raises(SystemExit, match="already holds checkpoints"):
+        run_inprocess(["max_steps=6", "resume=never", *common(smoke_run[0], corpus)])
+
+
+def test_metrics_go_to_tensorboard_when_installed(tmp_path, corpus):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "tb"
+    args = [a for a in common(out, corpus) if not a.startswith("log_with")]
+    run_inprocess(["max_steps=2", "log_with=tensorboard", *args])
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+def test_a_run_killed_at_any_moment_resumes_exactly(full_run, tmp_path, corpus):
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "train.py", "--config", TINY, "max_steps=6", *common(out, corpus)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 180
+    while not (out / "step-0002").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (out / ".step-0008.tmp").mkdir(parents=True, exist_ok=True)  # a write cut short
+    run_inprocess(["max_steps=6", *common(out, corpus)])
+    assert losses(out) == losses(full_run)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_only_the_head_gets_gradients(corpus):
+    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.losses import LossConfig
+    from sparsekv.teacher import TargetConfig
+    from train.loop import LayerwiseHead, Objective
+
+    model, tok, _ = load_model("tiny:llama", seed=0)
+    model.train()  # even in train mode nothing of the base may collect gradients
+    adapter = ScorerAdapter.for_model(model, hidden=16)
+    ids, mask = tokenize_blocks(tok, load_texts(str(corpus), limit=20), seq_len=64)
+    objective = Objective(TargetConfig(), LossConfig(), adapter.config.layers, block_size=16)
+    head = LayerwiseHead(adapter.head, adapter.config.layers)
+    loss, metrics = objective(model, head, ids[:2], mask[:2])
+    loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not p.requires_grad for p in model.parameters())
+    params = list(adapter.head.parameters())
+    assert params and all(p.grad is not None for p in params)
+    assert any(float(p.grad.abs().sum()) > 0 for p in params)
+    assert {"loss", "kl", "bce", "recall"} <= set(metrics)
+
+
+def test_two_process_cpu_run_trains_and_writes_one_checkpoint(tmp_path, corpus):
+    out = tmp_path / "ddp"
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "configs/accelerate/ddp_cpu.yaml",
+    ]
+    proc = run_cli(["max_steps=2", *common(out, corpus)], launcher=launcher)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for _, p in ckpt.step_dirs(out)] == ["step-0002"]
+    d = out / "step-0002"
+    assert {p.name for p in d.iterdir()} == STEP_FILES | {"rng_state_1.safetensors"}
+    state = json.loads((d / "trainer_state.json").read_text())
+    assert (state["world_size"], state["step"], state["samples_seen"]) == (2, 2, 2 * 2 * 2)
+    assert sorted(losses(out)) == [1, 2]
+    assert proc.stdout.count("done: 2 steps") == 1  # printed by the main process only
+
+
+# ---------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (
+            "max_step=3",
+            ["unknown config key 'max_step'", "did you mean 'max_steps'", "known keys:"],
+        ),
+        ("max_steps=abc", ["max_steps='abc' must be an int"]),
+        ("max_steps=0", ["max_steps=0 must be an int >= 1"]),
+        ("log_with=wandb", ["log_with='wandb'", "allowed values: auto, tensorboard, none"]),
+        ("loss.kl_wieght=1", ["unknown config key 'loss.kl_wieght'", "loss.kl_weight"]),
+        ("loss.budget=2", ["loss: budget=2 must be a fraction in (0, 1]"]),
+        ("push_to_hub=nope", ["push_to_hub='nope' must be a repo id"]),
+        ("maxsteps", ["must look like key=value"]),
+    ],
+)
+def test_bad_override_gives_a_clear_error(override, words, capsys):
+    from train.loop import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", TINY, override])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err
+
+
+def test_entry_point_reports_a_bad_override_and_exits_2():
+    proc = run_cli(["max_step=3"], timeout=120)
+    assert proc.returncode == 2
+    assert "unknown config key 'max_step'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_overrides_and_push_flag_apply():
+    from train.loop import parse_args
+
+    cfg = parse_args(
+        [
+            "--config",
+            TINY,
+            "max_steps=3",
+            "seed=5",
+            "resume=never",
+            "keep_last=none",
+            "layers=[1, 3]",
+            "loss.budget=0.5",
+            "--push_to_hub",
+            "me/tiny",
+        ]
+    )
+    assert (cfg.max_steps, cfg.seed, cfg.resume, cfg.keep_last, cfg.layers) == (
+        3,
+        5,
+        "never",
+        None,
+        [1, 3],
+    )
+    assert cfg.loss_config().budget == 0.5 and cfg.push_to_hub == "me/tiny"
+
+
+# ---------------------------------------------------------------------- Hub export
+
+
+def test_push_to_hub_exports_the_final_adapter_with_config_and_metrics(
+    tmp_path, corpus, monkeypatch
+):
+    from huggingface_hub import HfApi
+
+    calls = {}
+
+    def create_repo(self, repo_id, **kw):
+        calls["create"] = (repo_id, kw.get("private"))
+
+    def upload_folder(self, *, repo_id, folder_path, **kw):
+        calls["upload"] = {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}
+        calls["repo"] = repo_id
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    out = tmp_path / "push"
+    run_inprocess(
+        ["max_steps=2", *common(out, corpus), "hub_private=true", "--push_to_hub", "me/tiny-head"]
+    )
+    assert calls["create"] == ("me/tiny-head", True) and calls["repo"] == "me/tiny-head"
+    assert set(calls["upload"]) == adapter_files()
+    card = calls["upload"]["README.md"].decode()
+    assert "## Training config" in card and '"max_steps": 2' in card and '"last_metrics"' in card
+    from safetensors.torch import load, load_file
+
+    pushed = load(calls["upload"]["adapter_model.safetensors"])
+    final = load_file(out / "final" / "adapter_model.safetensors")
+    assert pushed.keys() == final.keys() and all(torch.equal(pushed[k], final[k]) for k in final)
+
+
+# ---------------------------------------------------------------------- pieces
+
+
+def test_data_order_is_seeded_and_split_across_processes():
+    ids = torch.arange(10 * 4).view(10, 4)
+    ds = BlockDataset(ids, torch.ones_like(ids), seed=3)
+    first = [ds.index(p) for p in range(10)]
+    assert sorted(first) == list(range(10))  # one epoch visits every block once
+    assert first == [BlockDataset(ids, torch.ones_like(ids), seed=3).index(p) for p in range(10)]
+    assert first != [BlockDataset(ids, torch.ones_like(ids), seed=4).index(p) for p in range(10)]
+    assert sorted(ds.index(p) for p in range(10, 20)) == list(range(10))  # next epoch
+    r0, _ = ds.batch(6, batch_size=2, rank=0, world=2)
+    r1, _ = ds.batch(6, batch_size=2, rank=1, world=2)
+    assert [int(r[0]) // 4 for r in torch.cat([r0, r1])] == [ds.index(p) for p in range(6, 10)]
+
+
+def test_tokenize_blocks_pack_and_pad():
+    tok = ByteTokenizer(128)
+    ids, mask = tokenize_blocks(tok, ["abcdef", "gh"], seq_len=4, packing="pack")
+    # stream: a b c d e f EOS g h EOS -> blocks of 3 after BOS
+    assert ids.shape == (3, 4) and bool(mask.all())
+    assert (ids[:, 0] == tok.bos_token_id).all() and ids[2, 1] == tok.eos_token_id
+    ids, mask = tokenize_blocks(tok, ["abcdefg", "gh"], seq_len=4, packing="pad")
+    # "abcdefg" continues over 3 blocks (its 1-token tail is kept: >= seq_len // 4), "gh" is padded
+    assert ids.shape == (4, 4) and mask.tolist() == [[1, 1, 1, 1]] * 2 + [
+        [1, 1, 0, 0],
+        [1, 1, 1, 0],
+    ]
+    assert ids[3, 3] == tok.pad_token_id and (ids[:, 0] == tok.bos_token_id).all()
+    ids, _ = tokenize_blocks(tok, ["x" * 32], seq_len=16, packing="pad")
+    assert ids.shape == (2, 16)  # 15 + 15 tokens; the 2-token tail (BOS + 2 < 16 // 4) is dropped
+    with pytest.raises(ValueError, match="seq_len=64"):
+        tokenize_blocks(tok, ["ab"], seq_len=64)
+
+
+def test_load_texts_reads_jsonl_and_parquet_and_builds_a_missing_file(tmp_path, corpus):
+    import datasets
+
+    texts = load_texts(str(corpus), limit=5)
+    assert len(texts) == 5 and all(isinstance(t, str) and t for t in texts)
+    pq = tmp_path / "t.parquet"
+    datasets.Dataset.from_dict({"body": ["one text", "two"]}).to_parquet(str(pq))
+    assert load_texts(str(pq), text_field="body") == ["one text", "two"]
+    with pytest.raises(ValueError, match="text_field='text'"):
+        load_texts(str(pq))
+    built = []
+    missing = tmp_path / "new.jsonl"
+    with pytest.raises(FileNotFoundError):
+        load_texts(str(missing))
+    missing.parent.mkdir(exist_ok=True)
+
+    def build(p):
+        built.append(p)
+        p.write_text(json.dumps({"text": "made"}) + "\n")
+
+    assert load_texts(str(missing), build=build) == ["made"] and built == [missing]
+
+
+def test_data_builder_is_deterministic_and_hides_needles_in_prose(tmp_path):
+    from data.build import BuildConfig, build, main
+
+    cfg = BuildConfig(seed=1, max_prose_chars=30_000, synthetic=12, context_chars=600)
+    a, b = build(cfg), build(cfg)
+    assert a == b and a != build(
+        BuildConfig(seed=2, max_prose_chars=30_000, synthetic=12, context_chars=600)
+    )
+    prose = [r for r in a if not r["source"].startswith("synthetic")]
+    synth = [r for r in a if r["source"].startswith("synthetic")]
+    assert {r["source"] for r in prose} <= {"pydoc", "docstrings", "license"} and prose
+    assert len(synth) == 12 and {r["source"] for r in synth} == {
+        f"synthetic:{k}" for k in ("passkey", "kv", "vars")
+    }
+    for r in synth:
+        assert r["text"].rstrip().endswith(r["answer"]) and "Question:" in r["text"]
+    pk = next(r for r in synth if r["source"] == "synthetic:passkey")
+    key = pk["answer"].split()[-1].rstrip(".")
+    assert pk["text"].count(key) >= 3  # the needle (twice) and the answer
+    out = tmp_path / "c.jsonl"
+    assert (
+        main(
+            [
+                "--out",
+                str(out),
+                "--seed",
+                "1",
+                "--max_prose_chars",
+                "30000",
+                "--synthetic",
+                "12",
+                "--context_chars",
+                "600",
+            ]
+        )
+        == 0
+    )
+    assert [json.loads(line) for line in out.read_text().splitlines()] == a
+    with pytest.raises(ValueError, match="kinds"):
+        BuildConfig(kinds=["haystack"])
+
+
+def test_state_dicts_round_trip_without_pickle(tmp_path):
+    head = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(head.parameters(), lr=0.1)
+    head(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    ckpt.save_state_dict(opt.state_dict(), tmp_path / "opt.safetensors")
+    back = ckpt.load_state_dict(tmp_path / "opt.safetensors")
+    assert back["param_groups"] == opt.state_dict()["param_groups"]
+    for i, s in opt.state_dict()["state"].items():
+        for k, v in s.items():
+            assert torch.equal(back["state"][i][k], v)
+    with pytest.raises(TypeError, match="without pickling"):
+        ckpt.save_state_dict({"f": object()}, tmp_path / "x.safetensors")
+
+
+def test_rng_state_round_trip_replays_the_same_numbers(tmp_path):
+    ckpt.save_state_dict(ckpt.rng_state(), tmp_path / "rng.safetensors")
+    first = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    ckpt.set_rng_state(ckpt.load_state_dict(tmp_path / "rng.safetensors"))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == first
+
+
+def test_latest_skips_incomplete_folders_and_prune_keeps_the_newest(tmp_path):
+    for step in (2, 4, 6):
+        d = tmp_path / ckpt.step_dir_name(step)
+        d.mkdir()
+        (d / ckpt.TRAINER_STATE).write_text("{}")
+    (tmp_path / "step-0008").mkdir()  # no trainer_state.json: not complete
+    (tmp_path / ".step-0010.tmp").mkdir()
+    assert ckpt.latest(tmp_path).name == "step-0006"
+    assert [p.name for p in ckpt.prune(tmp_path, 2)] == ["step-0002"]
+    assert [p.name for _, p in ckpt.step_dirs(tmp_path)] == ["step-0004", "step-0006"]
+
+
+def test_warmup_cosine_schedule():
+    from train.loop import warmup_cosine
+
+    lr = [warmup_cosine(s, warmup=2, total=6, min_ratio=0.1) for s in range(8)]
+    assert lr[:2] == [0.5, 1.0] and lr[2] == 1.0
+    assert lr[6] == pytest.approx(0.1) and lr[7] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(lr[2:]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_single_process_resumes_exactly(stage, full_run, tmp_path, corpus):
+    """The DeepSpeed code path (engine state in step-N/deepspeed/, ZeRO-3 gathering for adapter/)
+    on one CPU process: same losses as the plain run, exact resume."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / f"zero{stage}"
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"configs/accelerate/deepspeed_zero{stage}.yaml",
+        "--num_processes",
+        "1",
+        "--mixed_precision",
+        "no",
+    ]
+    for steps in (4, 6):
+        proc = run_cli([f"max_steps={steps}", "cpu=false", *common(out, corpus)], launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "deepspeed" in {p.name for p in (out / "step-0006").iterdir()}
+    assert losses(out) == pytest.approx(losses(full_run), rel=1e-6)

@@ -1,0 +1,1 @@
+"""Training of the gating head: config, data, checkpoints and the loop behind `train.py`."""

@@ -1,0 +1,344 @@
+"""`TrainConfig`: one training run, from a YAML file plus `key=value` overrides. Validation only.
+
+Every field carries a docstring (shown by `python train.py --help`). `load_config` reads the
+YAML, applies overrides (`max_steps=50`, nested `loss.kl_weight=0.5`), rejects unknown keys
+with the list of known ones and checks each value's type; `__post_init__` checks ranges and
+choices, naming the field and the allowed values. `TargetConfig` and `LossConfig` fields are
+nested under `target:` and `loss:` and validated by those classes.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+import itertools
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LOG_WITH = ("auto", "tensorboard", "none")
+PACKING = ("pack", "pad")
+HEAD_KINDS = ("mlp", "linear")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTN = ("sdpa", "eager")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+DEFAULT_DATASET = "data/train.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    """A training run of the gating head on a frozen causal LM (see configs/train/*.yaml)."""
+
+    # ------------------------------------------------------------------ run
+    run_name: str | None = None
+    """Name of the run (tracker name, Hub card); default: the config file's name without .yaml."""
+    output_dir: str | None = None
+    """Run folder for config.yaml, metrics.jsonl, step-N/ and final/; default checkpoints/<run_name>."""
+    seed: int = 0
+    """Seed for the head's initialization, the data order, tiny models and every RNG."""
+    cpu: bool = False
+    """Run on the CPU even where a GPU is present; multi-process runs then use DDP over gloo
+    (without a GPU that happens anyway)."""
+    num_threads: int | None = None
+    """CPU threads per process for torch (torch.set_num_threads); None = torch's default. 1 is
+    fastest for tiny models and on busy machines, where extra threads spin-wait for each other."""
+    # ------------------------------------------------------------------ model
+    model: str = "default"
+    """"default" (gemma-3-270m, offline), "tiny:<family>" (a tiny random model built in-process
+    from the seed; family: llama, qwen2, qwen3, mistral, gemma3) or an HF folder / Hub id."""
+    dtype: str = "float32"
+    """dtype of the frozen base model: float32, bfloat16 or float16 (the head trains in float32
+    unless the accelerate config sets mixed precision)."""
+    attn_implementation: str = "sdpa"
+    """Attention implementation of the base model: sdpa or eager."""
+    # ------------------------------------------------------------------ head, target, loss
+    layers: list[int] | None = None
+    """Layers that get a gating head; default: the full-attention layers (all if none slide)."""
+    head: str = "mlp"
+    """Per-layer head: "mlp" (2-layer MLP) or "linear"."""
+    head_hidden: int = 64
+    """Hidden width of the MLP head."""
+    target: dict = field(default_factory=dict)
+    """Teacher target definition: fields of sparsekv.teacher.TargetConfig (empty = defaults)."""
+    loss: dict = field(default_factory=dict)
+    """Loss weights: fields of sparsekv.losses.LossConfig (empty = defaults)."""
+    teacher_block_size: int = 512
+    """Queries per block when the teacher statistics are computed (memory O(block x seq))."""
+    # ------------------------------------------------------------------ data
+    dataset: str = DEFAULT_DATASET
+    """Local .jsonl/.json/.parquet file or folder, a saved `datasets` folder, or a `datasets`
+    Hub name. A missing local .jsonl is built with data/build.py (see `build`)."""
+    dataset_config: str | None = None
+    """Config name passed to datasets.load_dataset for Hub datasets."""
+    dataset_split: str = "train"
+    """Split to read from `datasets` datasets."""
+    text_field: str = "text"
+    """Column / JSON field holding the text."""
+    build: dict = field(default_factory=dict)
+    """Options of data/build.py's BuildConfig used when `dataset` is a missing .jsonl."""
+    max_documents: int | None = None
+    """Read at most this many documents (None = all)."""
+    seq_len: int = 512
+    """Tokens per training sequence."""
+    packing: str = "pack"
+    """"pack": documents joined with EOS and cut into seq_len blocks (each opens with BOS);
+    "pad": no sequence mixes documents; a long one continues in the next sequences and its last
+    piece is right-padded, so a retrieval sample that fits one sequence is never cut apart."""
+    batch_size: int = 1
+    """Sequences per process per micro-step."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step."""
+    # ------------------------------------------------------------------ optimization
+    max_steps: int = 100
+    """Optimizer steps to train for (a resumed run continues up to this step)."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 10
+    """Linear warm-up steps from 0 to `lr`."""
+    schedule_steps: int | None = None
+    """Length of the cosine decay (warm-up included); None = max_steps. Fix it to extend a run
+    with a larger max_steps without changing the learning rate of the steps already taken."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio, then stays there."""
+    grad_clip: float | None = 1.0
+    """Clip the gradient norm to this value (None = no clipping). Under DeepSpeed the accelerate
+    config's gradient_clipping applies instead."""
+    # ------------------------------------------------------------------ logging, checkpoints
+    log_every: int = 1
+    """Write metrics every this many steps."""
+    log_with: str = "auto"
+    """Trackers besides metrics.jsonl: "auto" (TensorBoard if installed), "tensorboard", "none"."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar (loss, tokens/s) on the main process."""
+    save_every: int = 50
+    """Write step-N/ every this many steps (0 = only final/)."""
+    keep_last: int | None = 3
+    """Keep only the newest this many step-N/ folders (None = keep all)."""
+    resume: str = "auto"
+    """"auto" (continue from the newest complete step-N/ in output_dir, else start fresh),
+    "never" (start fresh; fails if output_dir already holds checkpoints) or a step-N/ path."""
+    push_to_hub: str | None = None
+    """Hub repo id (user/name) that receives the final adapter."""
+    hub_private: bool = False
+    """Create the Hub repo as private."""
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("attn_implementation", self.attn_implementation, ATTN)
+        _choice("head", self.head, HEAD_KINDS)
+        _choice("packing", self.packing, PACKING)
+        _choice("log_with", self.log_with, LOG_WITH)
+        if self.model.startswith("tiny:"):
+            _choice("model", self.model, tuple(f"tiny:{f}" for f in TINY_FAMILIES) + ("default",))
+        for name in (
+            "head_hidden",
+            "teacher_block_size",
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "max_steps",
+            "log_every",
+        ):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("seed", "warmup_steps", "save_every"):
+            _at_least(name, getattr(self, name), 0)
+        for name in ("keep_last", "schedule_steps", "max_documents", "num_threads"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 1)
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr!r} must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"grad_clip={self.grad_clip!r} must be > 0 or null")
+        if self.layers is not None and (not self.layers or min(self.layers) < 0):
+            raise ValueError(
+                f"layers={self.layers!r} must be null or a non-empty list of ints >= 0"
+            )
+        if self.push_to_hub is not None and self.push_to_hub.count("/") != 1:
+            raise ValueError(f"push_to_hub={self.push_to_hub!r} must be a repo id 'user/name'")
+        self._check_nested()
+
+    def _check_nested(self) -> None:
+        """Build the nested configs once so that their own validation runs now."""
+        self.target_config()
+        self.loss_config()
+        if self.build:
+            self.build_config()
+
+    def target_config(self):
+        from sparsekv.teacher import TargetConfig
+
+        return _nested("target", TargetConfig, self.target)
+
+    def loss_config(self):
+        from sparsekv.losses import LossConfig
+
+        return _nested("loss", LossConfig, self.loss)
+
+    def build_config(self):
+        from data.build import BuildConfig
+
+        return _nested("build", BuildConfig, self.build)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir or Path("checkpoints") / (self.run_name or "run"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in known:
+                raise ValueError(_unknown(key, known))
+        hints = typing.get_type_hints(cls)
+        return cls(**{k: _coerce(k, v, hints[k]) for k, v in d.items()})
+
+
+# ---------------------------------------------------------------------- validation helpers
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed values: {', '.join(allowed)}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+
+
+def _unknown(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown config key {key!r}{hint}; known keys: {', '.join(known)}"
+
+
+def _nested(name: str, cls: type, values: dict):
+    known = [f.name for f in fields(cls)]
+    for key in values:
+        if key not in known:
+            raise ValueError(_unknown(f"{name}.{key}", [f"{name}.{k}" for k in known]))
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+_TYPE_WORDS = {
+    int: "an int",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    dict: "a mapping",
+}
+
+
+def _type_name(tp: Any) -> str:
+    return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp` (int, float, str, bool, dict, list[int], X | None)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or value in ("none", "None")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        dict: isinstance(value, dict),
+    }
+    if origin is list:
+        if isinstance(value, list):
+            return [_coerce(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
+        raise ValueError(f"{name}={value!r} must be a list of {_type_name(args[0])}s")
+    if not ok.get(tp, True):
+        raise ValueError(f"{name}={value!r} must be {_type_name(tp)}")
+    return float(value) if tp is float else value
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each dataclass field, by field name."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for a, b in itertools.pairwise(body):
+        if (
+            isinstance(a, ast.AnnAssign)
+            and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)
+            and isinstance(b.value.value, str)
+        ):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+# ---------------------------------------------------------------------- YAML + overrides
+
+
+def parse_value(text: str) -> Any:
+    """An override's value as YAML (`4` -> 4, `[5, 11]` -> list, `null` -> None).
+
+    "none" stays a string (log_with=none); fields that may be None read it as None.
+    """
+    if text.strip() in ("", "~", "null", "Null", "NULL"):
+        return None
+    return yaml.safe_load(text)
+
+
+def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key=value` (or nested `loss.kl_weight=0.5`) overrides to a config dict."""
+    d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. max_steps=50)")
+        head, dot, sub = key.partition(".")
+        if dot:
+            if head not in ("target", "loss", "build"):
+                raise ValueError(f"override {item!r}: only target., loss. and build. take sub-keys")
+            d.setdefault(head, {})
+            d[head] = {**(d[head] or {}), sub: parse_value(raw)}
+        else:
+            d[key] = parse_value(raw)
+    return d
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a YAML config (or defaults when `path` is None) and apply overrides.
+
+    Values that may be None also accept "none" (`keep_last: none`, `push_to_hub=none`).
+    """
+    d: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"--config {str(path)!r}: no such file")
+        d = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(d, dict):
+            raise ValueError(f"--config {str(path)!r}: expected a mapping of config keys")
+    d = apply_overrides(d, list(overrides))
+    if d.get("run_name") is None:
+        d["run_name"] = Path(path).stem if path is not None else "run"
+    return TrainConfig.from_dict(d)
+
+
+def dump_yaml(cfg: TrainConfig, header: str = "") -> str:
+    """The resolved config as YAML (keys in field order), with an optional comment header."""
+    body = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    return "\n".join(lines + [body]) if lines else body

@@ -1,0 +1,164 @@
+"""Training data: texts in, fixed-length token blocks out, in a seeded order addressed by position.
+
+This module owns reading the texts (`load_texts`: local JSONL/JSON/parquet, a saved `datasets`
+folder or a `datasets` Hub name; a missing local .jsonl is built by data/build.py), turning them
+into `(num_samples, seq_len)` token blocks (`tokenize_blocks`) and serving them in a
+deterministic order (`BlockDataset`). The order depends only on the seed: epoch e visits the
+blocks in `randperm(num_samples, seed + e)`, so the *position* (samples consumed so far,
+summed over processes) is all a checkpoint needs to resume the stream exactly. It knows nothing
+about models beyond a tokenizer, nor about optimization.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _read_jsonl(path: Path, text_field: str, limit: int | None) -> list[str]:
+    texts = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if limit is not None and len(texts) >= limit:
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if text_field not in rec:
+                raise ValueError(
+                    f"{path}:{n}: no field text_field={text_field!r} (has {sorted(rec)})"
+                )
+            texts.append(rec[text_field])
+    return texts
+
+
+def _load_with_datasets(name: str, config: str | None, split: str):
+    import datasets
+
+    p = Path(name)
+    saved = (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()
+    if p.is_dir() and saved:
+        ds = datasets.load_from_disk(str(p))
+        return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+    if p.suffix in (".parquet", ".json"):
+        kind = p.suffix.lstrip(".")
+        return datasets.load_dataset(kind, data_files=str(p), split="train")
+    return datasets.load_dataset(name, config, split=split)
+
+
+def load_texts(
+    dataset: str,
+    text_field: str = "text",
+    split: str = "train",
+    config: str | None = None,
+    limit: int | None = None,
+    build: Callable[[Path], None] | None = None,
+) -> list[str]:
+    """The texts of `dataset` (at most `limit`). A missing local .jsonl is made by `build(path)`."""
+    p = Path(dataset)
+    if p.suffix == ".jsonl":
+        if not p.exists():
+            if build is None:
+                raise FileNotFoundError(f"dataset={dataset!r}: no such file")
+            build(p)
+        return _read_jsonl(p, text_field, limit)
+    if p.suffix in LOCAL_SUFFIXES and not p.exists():
+        raise FileNotFoundError(f"dataset={dataset!r}: no such file")
+    ds = _load_with_datasets(dataset, config, split)
+    if text_field not in ds.column_names:
+        raise ValueError(
+            f"text_field={text_field!r} is not a column of {dataset!r}; columns: {ds.column_names}"
+        )
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    return list(ds[text_field])
+
+
+def _encode(tokenizer, texts: list[str], chunk: int = 256) -> list[list[int]]:
+    out: list[list[int]] = []
+    for i in range(0, len(texts), chunk):
+        out += tokenizer(texts[i : i + chunk], add_special_tokens=False)["input_ids"]
+    return out
+
+
+def tokenize_blocks(
+    tokenizer, texts: list[str], seq_len: int, packing: str = "pack"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask)`, both `(num_samples, seq_len)` int64.
+
+    "pack": texts joined with EOS into one stream, cut into blocks of seq_len - 1 tokens, each
+    block prefixed with BOS (when the tokenizer has one); the tail shorter than a block is
+    dropped. "pad": no block mixes texts: each text fills BOS + seq_len - 1 tokens per block,
+    its last block right-padded with the pad id (a tail under seq_len / 4 tokens is dropped
+    unless it is the whole text), so a sample that fits one block stays whole.
+    """
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    prefix = [bos] if bos is not None else []
+    body = seq_len - len(prefix)
+    ids = _encode(tokenizer, texts)
+    if packing == "pack":
+        stream = []
+        for x in ids:
+            stream += x + ([eos] if eos is not None else [])
+        n = len(stream) // body
+        rows = [prefix + stream[i * body : (i + 1) * body] for i in range(n)]
+        mask = [[1] * seq_len for _ in rows]
+    elif packing == "pad":
+        rows, mask = [], []
+        for x in ids:
+            for i in range(0, max(len(x), 1), body):
+                r = prefix + x[i : i + body]
+                if i > 0 and len(r) < max(1, seq_len // 4):
+                    continue  # a short tail alone: too little context to rank
+                rows.append(r + [pad] * (seq_len - len(r)))
+                mask.append([1] * len(r) + [0] * (seq_len - len(r)))
+    else:
+        raise ValueError(f"packing={packing!r} is not supported; allowed values: pack, pad")
+    if not rows:
+        raise ValueError(
+            f"the dataset yields no sequence of seq_len={seq_len} tokens; use more text or a smaller seq_len"
+        )
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+
+@dataclass
+class BlockDataset:
+    """Token blocks served in a seeded order; sample `position` p is block `perm_{p // n}[p % n]`.
+
+    input_ids, attention_mask: `(num_samples, seq_len)`.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    seed: int = 0
+    _perms: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def index(self, position: int) -> int:
+        """The block served at global sample `position`."""
+        epoch, i = divmod(position, len(self))
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perms = {epoch: torch.randperm(len(self), generator=g)}  # keep one epoch
+        return int(self._perms[epoch][i])
+
+    def batch(
+        self, position: int, batch_size: int, rank: int = 0, world: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's `(batch_size, seq_len)` slice of the global micro-batch at `position`.
+
+        The global micro-batch is samples position .. position + batch_size * world - 1; process
+        `rank` takes its contiguous share. The caller advances the position by batch_size * world.
+        """
+        start = position + rank * batch_size
+        idx = torch.tensor([self.index(start + k) for k in range(batch_size)])
+        return self.input_ids[idx], self.attention_mask[idx]
