@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from sparsekv.default_model import resolve_dtype
+from sparsekv.tiny import tiny_config, tiny_model  # noqa: F401  (re-exported for train.loop)
 
 
 class ByteTokenizer:
@@ -37,58 +38,6 @@ class ByteTokenizer:
         return {"input_ids": ids}
 
 
-def tiny_config(family: str, attn_implementation: str = "sdpa"):
-    """A 4-layer config of `family` with GQA (4 query heads, 2 KV heads), vocabulary 128."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    common = {
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 4096,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": False,
-    }
-    builders = {
-        "llama": lambda: LlamaConfig(**common),
-        "qwen2": lambda: Qwen2Config(**common, use_sliding_window=False),
-        "qwen3": lambda: Qwen3Config(**common),
-        "mistral": lambda: MistralConfig(**common, sliding_window=None),
-        # Layers 0-2 slide (window 32), layer 3 is full: gemma-3-270m's mix in miniature.
-        "gemma3": lambda: Gemma3TextConfig(
-            **common,
-            sliding_window=32,
-            query_pre_attn_scalar=16,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        ),
-    }
-    if family not in builders:
-        raise ValueError(
-            f"model='tiny:{family}' is not supported; allowed families: {', '.join(builders)}"
-        )
-    cfg = builders[family]()
-    cfg._attn_implementation = attn_implementation
-    return cfg
-
-
-def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa") -> nn.Module:
-    """A deterministic tiny random causal LM of `family` (float32, eval mode, frozen)."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = tiny_config(family, attn_implementation)
-    fork = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=fork):  # the caller's RNG stream is left untouched
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
-    return model
-
-
 def load_model(
     spec: str,
     dtype: str = "float32",
@@ -104,7 +53,7 @@ def load_model(
         model, tok = load_default_model(torch_dtype, attn_implementation, device)
         base_id = DEFAULT_MODEL_ID
     elif spec.startswith("tiny:"):
-        model = tiny_model(spec.removeprefix("tiny:"), seed, attn_implementation).to(torch_dtype)
+        model = tiny_model(spec.removeprefix("tiny:"), attn_implementation=attn_implementation, seed=seed).to(torch_dtype)
         tok, base_id = ByteTokenizer(model.config.vocab_size), spec
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
