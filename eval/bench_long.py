@@ -69,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--json", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--child", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.child:
         row = child(args.child[0], int(args.child[1]), args.budget, args.chunk, args.new_tokens)
         print("ROW " + json.dumps(row))
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"--modes: unknown mode {mode!r}; allowed values: full, chunked")
             cmd = [sys.executable, __file__, "--child", mode, str(n), "--budget", str(args.budget),
                    "--chunk", str(args.chunk), "--new-tokens", str(args.new_tokens)]
+            if args.threads:
+                cmd += ["--threads", str(args.threads)]
             print(f"running {mode} at {n} tokens ...", flush=True)
             res = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")]
