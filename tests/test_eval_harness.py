@@ -14,7 +14,7 @@ from sparsekv.cli import main
 from sparsekv.evaluation.config import EvalConfig, parse_policy
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = {"prefill_s", "decode_s", "decode_tok_s", "peak_rss_mb"}
+TIMING = {"prefill_s", "decode_s", "decode_tok_s", "peak_rss_mb", "fork_s"}
 GRID = ["--model", "tiny:llama", "--policy", "snapkv,h2o", "--budget", "0.3", "--tasks", "passkey,ppl",
         "--lengths", "512", "--samples", "2", "--seed", "3", "--threads", "1", "--no-progress"]
 
@@ -217,3 +217,45 @@ def test_every_shipped_config_validates(path):
     cfg = EvalConfig.from_yaml(path)
     assert cfg.out and cfg.tasks and cfg.policy_specs
     assert path.read_text().startswith("#")  # opens with how to run it
+
+
+def test_shared_prefill_matches_live_prefill(tmp_path):
+    """Forking one recorded prefill per prompt gives the rows that prefilling every run gives
+    (live runs use transformers' DynamicCache as the reference)."""
+    common = ["eval", "--model", "tiny:gemma3", "--policy", "h2o,snapkv,tova,knorm,snapkv@window=8",
+              "--budget", "0.25", "--tasks", "passkey,ppl", "--lengths", "256", "--samples", "1",
+              "--threads", "1", "--no-progress"]
+    assert main([*common, "--out", str(tmp_path / "shared")]) == 0
+    assert main([*common, "--out", str(tmp_path / "live"), "--live-prefill"]) == 0
+    shared, live = _rows(tmp_path / "shared"), _rows(tmp_path / "live")
+    assert len(shared) == len(live) == (2 + 1) * 6
+    assert [r["prefill_shared"] for r in shared if r["policy"] != "snapkv@window=8"] == [True] * 15
+    assert {r["prefill_shared"] for r in live} == {False}
+    for a, b in zip(shared, live):
+        assert (a["sample_id"], a["protocol"], a["policy"]) == (b["sample_id"], b["protocol"], b["policy"])
+        assert a["output_ids"] == b["output_ids"], a["policy"]
+        assert a["kv_bytes_compressed"] == b["kv_bytes_compressed"] and a["kv_bytes_end"] == b["kv_bytes_end"]
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-7), a["policy"]
+        if a["task"] == "ppl":
+            assert a["nll"] == pytest.approx(b["nll"], rel=1e-5)
+
+
+def test_learned_adapter_runs_in_the_grid(tmp_path):
+    import torch
+
+    from sparsekv import ScorerAdapter
+    from sparsekv.evaluation.models import load_model
+
+    model, _ = load_model("tiny:llama")
+    torch.manual_seed(0)
+    adapter_dir = ScorerAdapter.for_model(model, hidden=8).save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "learned"
+    argv = ["eval", "--model", "tiny:llama", "--adapter", str(adapter_dir),
+            "--policy", f"snapkv,learned:{adapter_dir}@blend=0.5@label=learned-blend", "--budget", "0.3",
+            "--tasks", "passkey", "--lengths", "256", "--samples", "1", "--protocol", "agnostic",
+            "--threads", "1", "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    rows = _rows(out)
+    assert [r["policy"] for r in rows] == ["full", "snapkv", "learned-blend", f"learned:{adapter_dir}"]
+    assert all(r["error"] is None and r["prefill_shared"] for r in rows)
+    assert all(r["kv_bytes_compressed"] < rows[0]["kv_bytes_compressed"] for r in rows[1:])

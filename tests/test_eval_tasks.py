@@ -63,7 +63,7 @@ def test_answer_is_findable_in_the_prompt(task, index):
     for a in answers:
         assert a in s.context, (task, a)
     # Scoring the context itself finds every answer; an unrelated text finds none.
-    assert M.score_answer(s.context, s.answer) == 1.0
+    assert M.score_answer(s.context.replace("\n", " "), s.answer) == 1.0
     assert M.score_answer("nothing to see here", s.answer) == 0.0
 
 
@@ -102,7 +102,7 @@ def test_vartrack_chain_resolves_to_the_value():
 
 def test_qa_answer_follows_the_cue_in_the_context():
     s = make_sample("qa", CODEC, LENGTH, 1, seed=0)
-    cue = re.search(r'begins with "(.*)"\.', s.question).group(1)
+    cue = re.search(r"Answer: (.*)$", s.question).group(1)
     assert s.context.count(cue) == 1
     after = s.context[s.context.index(cue) + len(cue):]
     assert after.lstrip().startswith(s.answer)
@@ -144,3 +144,7 @@ def test_metrics():
     assert M.repetition_rate([1, 2, 3, 4, 5, 6]) == 0.0
     assert M.repetition_rate([1, 2, 1, 2, 1, 2, 1, 2], n=2) == pytest.approx(5 / 7)
     assert M.token_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 2)
+    # Only the first non-empty line of an output is scored.
+    assert M.score_answer("\n\n 48213.\nWhat is the pass key? 11111", "48213") == 1.0
+    assert M.score_answer(" a key.\n\nThe pass key is 48213", "48213") == 0.0
+    assert not M.answer_complete("\n 482") and M.answer_complete(" 48213.\n")

@@ -49,6 +49,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--eviction", help="EvictionConfig fields for every policy, e.g. "
                                       "schedule=pyramid,rerank_every=16,recent_window=64")
     p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--live-prefill", action="store_true",
+                   help="prefill every run itself instead of forking one shared prefill per prompt "
+                        "(true per-method prefill time and peak KV bytes; much slower)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--dump-prompts", action="store_true",
                    help="write prompts.jsonl and config.yaml into --out and stop (for peer runs)")
@@ -88,6 +91,8 @@ def resolve_config(args: argparse.Namespace):
                   "budgets", "protocols", "samples", "seed", "threads")
         if getattr(args, k, None) is not None
     }
+    if getattr(args, "live_prefill", False):
+        overrides["shared_prefill"] = False
     ev = _parse_eviction(args.eviction)
     if ev is not None:
         overrides["eviction"] = ev

@@ -154,6 +154,11 @@ class EvalConfig:
     """Per task: generator options (e.g. multikey: {num_keys: 8}) and max_new_tokens."""
     threads: int | None = None
     """torch.set_num_threads for the run (None = torch's default)."""
+    shared_prefill: bool = True
+    """Prefill each prompt once and let every policy and budget start from a fork of it
+    (`SparseKVCache.fork`: the same kept entries as its own prefill, without repeating the
+    forward). False prefills every run live, so `prefill_s` and `kv_bytes_peak` are each
+    method's own (about as many times slower as there are methods x budgets)."""
 
     def __post_init__(self) -> None:
         from sparsekv.evaluation.models import validate_model_spec
@@ -208,6 +213,8 @@ class EvalConfig:
             if bad:
                 allowed = ", ".join([*spec.defaults, "max_new_tokens"])
                 raise ValueError(f"task_options[{t!r}] has unknown option(s) {bad}; allowed: {allowed}")
+        if not isinstance(self.shared_prefill, bool):
+            raise ValueError(f"shared_prefill={self.shared_prefill!r} must be true or false")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads={self.threads!r} must be None or an int >= 1")
 

@@ -3,7 +3,9 @@
 Pure functions of outputs and log-probabilities; nothing here runs a model. Conventions:
 - `score_answer` is the accuracy of one sample in [0, 1]: 1/0 for one answer ("contains"
   match after normalisation), the fraction found for a list of answers (multi-value, variable
-  tracking).
+  tracking). Only the first non-empty line of the output counts: answers are one line, and a
+  base model tends to continue with more text (the runner stops decoding there; with greedy
+  decoding that equals truncating a longer output).
 - `kl_divergence(ref, pol)` is KL(full cache || policy) in nats, per position, from
   log-probabilities `(..., vocab)`.
 
@@ -39,8 +41,19 @@ def _contains(output: str, answer: str) -> bool:
     return re.search(r"(?<![a-z0-9])" + re.escape(a) + r"(?![a-z0-9])", o) is not None
 
 
+def first_line(text: str) -> str:
+    """The first non-empty line of `text` (leading blank lines and spaces dropped)."""
+    return text.lstrip().split("\n", 1)[0]
+
+
+def answer_complete(text: str) -> bool:
+    """True once `text` holds a line break after some content: the answer line is over."""
+    return "\n" in text.lstrip()
+
+
 def score_answer(output: str, answer: str | Sequence[str] | None) -> float:
     """Accuracy of one generated `output` against `answer` (see the module docstring)."""
+    output = first_line(output)
     if answer is None:
         return float("nan")
     if isinstance(answer, str):

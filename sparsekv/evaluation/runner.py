@@ -1,6 +1,17 @@
 """Runs an evaluation grid: every sample under every protocol, the full cache first (the
 reference), then every policy x budget; one result row per run, appended to `results.jsonl`.
 
+Shared prefill (the default, `EvalConfig.shared_prefill`): the compressed part of each prompt is
+prefilled once by a full `SparseKVCache` that records the attention statistics the grid's
+policies read, and the reference and every policy x budget start from `fork` of it, which keeps
+exactly what that policy's own prefill would have kept (eviction happens after each layer's
+attention, so the prefill's outputs do not depend on the policy). The prefill forward then
+runs once per prompt instead of once per method. `prefill_s` of such rows is the shared
+forward (which computes the statistics of every policy) plus the method's own fork and question
+forward. Methods with `prefill_chunk`, or an observation window other than the grid's most
+common one, prefill live; `shared_prefill: false` prefills every run live, with transformers'
+`DynamicCache` as the full-cache reference.
+
 How one run goes (batch 1, greedy, no sampling):
 - "answer" and "generate" samples: the prompt is prefilled with `logits_to_keep=1`; under the
   agnostic protocol the context alone first (the cache compresses it), then the question through
@@ -51,6 +62,7 @@ ROW_FIELDS = (
     "budget", "answer", "output", "output_ids", "score", "kl", "kl_mean", "nll", "ppl", "top1",
     "agreement", "prefix_match", "repetition", "kv_bytes_compressed", "kv_bytes_end",
     "peak_rss_mb", "prefill_s", "decode_s", "decode_tok_s", "new_tokens", "depth", "error",
+    "kv_bytes_peak", "prefill_shared", "fork_s",
 )
 REQUIRED_PEER_FIELDS = ("sample_id", "task", "length", "protocol", "policy", "budget")
 NAN = float("nan")
@@ -84,12 +96,14 @@ def build_samples(cfg: EvalConfig, codec: Codec) -> list[Sample]:
 
 def write_prompts(samples: list[Sample], cfg: EvalConfig, path: Path) -> None:
     """One JSON line per sample: the `Sample` fields (texts and token ids), the protocols it runs
-    under, and `prompt` (context + question as text). Peers read this to run the same prompts."""
+    under, `prompt` (context + question as text) and `stop_at_newline` (answer tasks: decoding
+    may stop after the first line, the only one scored). Peers read this to run the same prompts."""
     with open(path, "w") as f:
         for s in samples:
             d = s.to_dict()
             d["protocols"] = cfg.protocols_for(s.task)
             d["prompt"] = s.context + s.question
+            d["stop_at_newline"] = s.kind == "answer"
             f.write(json.dumps(d) + "\n")
 
 
@@ -100,6 +114,7 @@ def read_prompts(path: Path) -> list[Sample]:
             d = json.loads(line)
             d.pop("protocols", None)
             d.pop("prompt", None)
+            d.pop("stop_at_newline", None)
             samples.append(Sample.from_dict(d))
     return samples
 
@@ -141,6 +156,30 @@ class Runner:
 
         return SparseKVCache(self.model, self.eviction_config(spec, budget), self.build_policy(spec))
 
+    # ---- shared prefill ---------------------------------------------------------------------
+    @staticmethod
+    def _needs(policy) -> str | None:
+        """The attention statistic a policy reads at prefill ("all", "window", "last" or None)."""
+        return policy.attention_queries or ("all" if policy.tracks_observed else None)
+
+    def plan(self) -> None:
+        """Decide which methods start from the one recorded prefill of each sample (see
+        `run_group`) and what that prefill must record. Methods with `prefill_chunk`, or whose
+        observation window differs from the most common one, prefill live."""
+        from collections import Counter
+
+        built = {spec.label: self.build_policy(spec) for spec in self.cfg.policy_specs}
+        windows = Counter(p.window for p in built.values() if self._needs(p) == "window")
+        self.record_window = windows.most_common(1)[0][0] if windows else 32
+        self.forkable = {
+            spec.label: bool(self.cfg.shared_prefill)
+            and self._chunk(spec) is None
+            and (self._needs(built[spec.label]) != "window" or built[spec.label].window == self.record_window)
+            for spec in self.cfg.policy_specs
+        }
+        needs = {self._needs(built[lbl]) for lbl, ok in self.forkable.items() if ok}
+        self.record = tuple(sorted(n for n in needs if n)) or ("last",)
+
     # ---- model calls ------------------------------------------------------------------------
     def _forward(self, ids: list[int], cache, keep: int) -> torch.Tensor:
         t = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -152,23 +191,48 @@ class Runner:
             return None
         return {**self.cfg.eviction, **spec.eviction}.get("prefill_chunk")
 
+    @staticmethod
+    def _split(sample: Sample, protocol: str) -> bool:
+        """True when only the context is compressed first (the question, or the continuation,
+        follows through the compressed cache)."""
+        return sample.kind == "continuation" or (protocol == "agnostic" and bool(sample.question_ids))
+
     @torch.no_grad()
-    def _execute(self, sample: Sample, protocol: str, cache, chunk: int | None) -> dict[str, Any]:
-        """One run through `cache`; returns raw outputs (token ids, step logits) and measurements."""
-        ctx, q = sample.context_ids, sample.question_ids
-        split = protocol == "agnostic" and bool(q)
-        res: dict[str, Any] = {}
+    def _prefill_shared(self, sample: Sample, protocol: str) -> "_SharedPrefill":
+        """Prefill the compressed part of the prompt once, with the full cache recording what
+        every forkable policy needs."""
+        from sparsekv import EvictionConfig, SparseKVCache
+
+        ids = sample.context_ids if self._split(sample, protocol) else sample.prompt_ids
+        rec = SparseKVCache(self.model, EvictionConfig(budget=1.0), "full", record=self.record,
+                            record_window=self.record_window)
         with M.PeakRSS() as rss:
             t0 = time.perf_counter()
-            if split or sample.kind == "continuation":
-                logits = self._forward(ctx, cache, 1)
-                res["kv_bytes_compressed"] = M.kv_bytes(cache)
-                if q:
-                    logits = self._forward(q, cache, 1)
+            logits = self._forward(ids, rec, 1)
+            seconds = time.perf_counter() - t0
+        return _SharedPrefill(rec, logits, seconds, rss.peak)
+
+    @torch.no_grad()
+    def _execute(self, sample: Sample, protocol: str, start, chunk: int | None,
+                 shared: "_SharedPrefill | None") -> dict[str, Any]:
+        """One run. `start()` returns a cache holding the compressed prefix: a fresh cache that
+        this function prefills (shared is None) or a fork of the shared prefill. Returns raw
+        outputs (token ids, step logits) and measurements."""
+        ctx, q = sample.context_ids, sample.question_ids
+        split = self._split(sample, protocol)
+        res: dict[str, Any] = {"prefill_shared": shared is not None}
+        with M.PeakRSS() as rss:
+            t0 = time.perf_counter()
+            cache = start()
+            if shared is None:
+                logits = self._forward(ctx if split else ctx + q, cache, 1)
             else:
-                logits = self._forward(ctx + q, cache, 1)
-                res["kv_bytes_compressed"] = M.kv_bytes(cache)
-            res["prefill_s"] = time.perf_counter() - t0
+                logits = shared.logits
+                res["fork_s"] = time.perf_counter() - t0
+            res["kv_bytes_compressed"] = M.kv_bytes(cache)
+            if split and q:
+                logits = self._forward(q, cache, 1)
+            res["prefill_s"] = time.perf_counter() - t0 + (shared.seconds if shared is not None else 0.0)
             chunked = chunk is not None and len(ctx) + len(q) > chunk
             res["first_compressed"] = 0 if (split or chunked) else 1
             t1 = time.perf_counter()
@@ -181,7 +245,10 @@ class Runner:
             else:
                 steps = [logits[-1]]
                 out = [int(logits[-1].argmax())]
+                one_line = sample.kind == "answer"
                 while len(out) < sample.max_new_tokens and out[-1] not in self.codec.eos_ids:
+                    if one_line and M.answer_complete(self.codec.decode(out)):
+                        break  # only the first line is scored
                     logits = self._forward([out[-1]], cache, 1)
                     steps.append(logits[-1])
                     out.append(int(logits[-1].argmax()))
@@ -189,7 +256,13 @@ class Runner:
                 res["output_ids"] = out
             res["decode_s"] = time.perf_counter() - t1
             res["kv_bytes_end"] = M.kv_bytes(cache)
-        res["peak_rss_mb"] = rss.peak / 2**20
+            if shared is None:  # a fork never held the whole prefix itself
+                peak = cache.peak_kv_bytes() if hasattr(cache, "peak_kv_bytes") else 0
+                res["kv_bytes_peak"] = int(max(peak, res["kv_bytes_compressed"], res["kv_bytes_end"]))
+            if hasattr(cache, "close"):
+                cache.close()
+        peak = max(rss.peak, shared.peak_rss if shared is not None else 0)
+        res["peak_rss_mb"] = peak / 2**20
         return res
 
     def _row(self, sample: Sample, protocol: str, label: str, spec_text: str, budget) -> dict[str, Any]:
@@ -207,8 +280,10 @@ class Runner:
         lp = torch.log_softmax(res["step_logits"], dim=-1)
         row.update(
             kv_bytes_compressed=res["kv_bytes_compressed"], kv_bytes_end=res["kv_bytes_end"],
-            peak_rss_mb=round(res["peak_rss_mb"], 1), prefill_s=round(res["prefill_s"], 4),
-            decode_s=round(res["decode_s"], 4),
+            kv_bytes_peak=res.get("kv_bytes_peak"), peak_rss_mb=round(res["peak_rss_mb"], 1),
+            prefill_s=round(res["prefill_s"], 4), decode_s=round(res["decode_s"], 4),
+            prefill_shared=res["prefill_shared"],
+            fork_s=round(res["fork_s"], 4) if "fork_s" in res else None,
         )
         if sample.kind == "continuation":
             tgt = torch.tensor(sample.target_ids[1:], device=lp.device)
@@ -249,10 +324,38 @@ class Runner:
         return row, lp
 
     # ---- public -----------------------------------------------------------------------------
-    def run_reference(self, sample: Sample, protocol: str) -> tuple[dict[str, Any], Reference]:
-        """The full cache (transformers' DynamicCache): the row and what later runs compare with."""
-        cache = self._make_cache(None, None)
-        res = self._execute(sample, protocol, cache, None)
+    def run_group(self, sample: Sample, protocol: str):
+        """Yield the rows of one sample under one protocol: the full cache first, then every
+        policy x budget. With `shared_prefill` the compressed part of the prompt is prefilled
+        once (recording the attention statistics the policies read) and each method starts
+        from `SparseKVCache.fork` of it: the same kept entries as its own prefill, without
+        repeating the forward. Methods that cannot fork prefill live."""
+        from sparsekv import EvictionConfig
+
+        if not hasattr(self, "forkable"):
+            self.plan()
+        shared = self._prefill_shared(sample, protocol) if any(self.forkable.values()) else None
+        try:
+            if shared is not None:
+                row, ref = self.run_reference(
+                    sample, protocol, lambda: shared.cache.fork(EvictionConfig(budget=1.0), "full"), shared
+                )
+            else:
+                row, ref = self.run_reference(sample, protocol)
+            yield row
+            for spec in self.cfg.policy_specs:
+                for budget in self.cfg.budgets:
+                    use = shared if self.forkable[spec.label] else None
+                    yield self.run_policy(sample, protocol, spec, budget, ref, use)
+        finally:
+            if shared is not None:
+                shared.cache.close()
+
+    def run_reference(self, sample: Sample, protocol: str, start=None,
+                      shared: "_SharedPrefill | None" = None) -> tuple[dict[str, Any], Reference]:
+        """The full cache: transformers' DynamicCache prefilled live, or the full-policy fork of
+        a shared prefill. Returns the row and what later runs compare with."""
+        res = self._execute(sample, protocol, start or (lambda: self._make_cache(None, None)), None, shared)
         row = self._row(sample, protocol, REFERENCE, REFERENCE, 1.0)
         row, lp = self._fill(row, sample, res, None)
         if sample.kind != "continuation":
@@ -262,16 +365,18 @@ class Runner:
         row["kl"] = row["kl_mean"] = 0.0
         return row, Reference(res["output_ids"], lp, row["score"])
 
-    def run_policy(self, sample: Sample, protocol: str, spec: PolicySpec, budget, ref: Reference) -> dict[str, Any]:
+    def run_policy(self, sample: Sample, protocol: str, spec: PolicySpec, budget, ref: Reference,
+                   shared: "_SharedPrefill | None" = None) -> dict[str, Any]:
         """One policy at one budget; a crash becomes a row with `error` set and score 0."""
         row = self._row(sample, protocol, spec.label, spec.spec, budget)
         try:
-            cache = self._make_cache(spec, budget)
-            try:
-                res = self._execute(sample, protocol, cache, self._chunk(spec))
-            finally:
-                if hasattr(cache, "close"):
-                    cache.close()
+            if shared is not None:
+                def start():
+                    return shared.cache.fork(self.eviction_config(spec, budget), self.build_policy(spec))
+            else:
+                def start():
+                    return self._make_cache(spec, budget)
+            res = self._execute(sample, protocol, start, self._chunk(spec), shared)
             row, _ = self._fill(row, sample, res, ref)
         except Exception as e:  # noqa: BLE001 - a crashing method is a measured miss, not a stop
             row["error"] = f"{type(e).__name__}: {e}"
@@ -280,6 +385,17 @@ class Runner:
             tb = traceback.format_exc(limit=3)
             print(f"\n[sparsekv eval] {spec.label} @ {budget} on {sample.sample_id} failed:\n{tb}", file=sys.stderr)
         return row
+
+
+@dataclass
+class _SharedPrefill:
+    """One recorded full-cache prefill: the cache, the last logits `(1, vocab)`, its seconds and
+    the process's peak resident memory during it (bytes)."""
+
+    cache: Any
+    logits: torch.Tensor
+    seconds: float
+    peak_rss: int
 
 
 def grid_size(cfg: EvalConfig, samples: list[Sample]) -> tuple[int, int]:
@@ -343,33 +459,22 @@ def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: 
     elif codec is None:
         raise ValueError("pass the codec together with the model")
     runner = Runner(model, codec, cfg)
-    for spec in cfg.policy_specs:  # fail before any work on a policy that cannot be built
-        runner.build_policy(spec)
+    runner.plan()  # builds every policy once: fails before any work on one that cannot be built
     samples = build_samples(cfg, codec)
     write_prompts(samples, cfg, out / "prompts.jsonl")
     resolved = {**cfg.to_dict(), "policy_specs": [p.to_dict() for p in cfg.policy_specs],
                 "environment": _environment(model, codec)}
     (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    n_runs, n_tokens = grid_size(cfg, samples)
-    bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, disable=not progress,
-               desc=f"eval {n_runs} runs", dynamic_ncols=True)
-    done = 0
+    n_runs, _ = grid_size(cfg, samples)
+    bar = tqdm(total=n_runs, unit="run", disable=not progress, desc="sparsekv eval", dynamic_ncols=True)
     with open(out / "results.jsonl", "w") as f:
         for s in samples:
             for protocol in cfg.protocols_for(s.task):
-                bar.set_postfix_str(f"{s.sample_id} {protocol} full", refresh=False)
-                row, ref = runner.run_reference(s, protocol)
-                dump_row(f, row)
-                done += 1
-                bar.update(s.metadata["n_tokens"])
-                for spec in cfg.policy_specs:
-                    for budget in cfg.budgets:
-                        bar.set_postfix_str(f"{s.sample_id} {protocol} {spec.label}@{budget} [{done}/{n_runs}]",
-                                            refresh=False)
-                        dump_row(f, runner.run_policy(s, protocol, spec, budget, ref))
-                        done += 1
-                        bar.update(s.metadata["n_tokens"])
-                del ref
+                bar.set_postfix_str(f"{s.sample_id} {protocol}", refresh=True)
+                for row in runner.run_group(s, protocol):
+                    dump_row(f, row)
+                    bar.set_postfix_str(f"{s.sample_id} {protocol} {row['policy']}@{row['budget']}", refresh=False)
+                    bar.update(1)
     bar.close()
     if report:
         from sparsekv.evaluation.report import write_reports
