@@ -149,6 +149,7 @@ def test_dump_prompts_and_ingest_peer_rows(run_dir, tmp_path, capsys):
         (["--policy", "snapkv@schedule=zigzag"], "schedule='zigzag' is not supported"),
         (["--model", "tiny:gpt2"], "allowed: llama, qwen2"),
         (["--eviction", "rerank_every=-1"], "rerank_every=-1 must be an int >= 0"),
+        (["--adapter", "/nonexistent/adapter"], "policy 'learned:/nonexistent/adapter'"),
     ],
 )
 def test_bad_flags_give_clear_errors(argv, message, tmp_path, capsys):

@@ -28,7 +28,7 @@ from sparsekv.evaluation.tasks import TASKS
 
 SUMMARY_FIELDS = (
     "source", "task", "length", "protocol", "policy", "budget", "n", "errors", "score", "score_frac",
-    "kl", "kl_mean", "ppl", "top1", "agreement", "repetition", "kv_mib", "kv_mib_end", "kv_frac",
+    "kl", "kl_mean", "ppl", "top1", "agreement", "repetition", "kv_mib", "kv_mib_end", "kv_peak_mib", "kv_frac",
     "peak_rss_mb", "prefill_s", "decode_tok_s",
 )
 _MIB = 2**20
@@ -78,6 +78,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "repetition": mean([_num(r.get("repetition")) for r in rs]),
             "kv_mib": mean([_num(r.get("kv_bytes_compressed")) for r in rs]) / _MIB,
             "kv_mib_end": mean([_num(r.get("kv_bytes_end")) for r in rs]) / _MIB,
+            "kv_peak_mib": mean([_num(r.get("kv_bytes_peak")) for r in rs]) / _MIB,
             "kv_frac": kv_pol / kv_ref if paired and kv_ref > 0 else float("nan"),
             "peak_rss_mb": max((_num(r.get("peak_rss_mb")) for r in rs), default=float("nan")),
             "prefill_s": mean([_num(r.get("prefill_s")) for r in rs]),

@@ -168,7 +168,12 @@ class Runner:
         observation window differs from the most common one, prefill live."""
         from collections import Counter
 
-        built = {spec.label: self.build_policy(spec) for spec in self.cfg.policy_specs}
+        built = {}
+        for spec in self.cfg.policy_specs:
+            try:
+                built[spec.label] = self.build_policy(spec)
+            except OSError as e:  # an adapter that is neither a folder nor a reachable Hub repo
+                raise ValueError(f"policy {spec.spec!r}: {e}") from e
         windows = Counter(p.window for p in built.values() if self._needs(p) == "window")
         self.record_window = windows.most_common(1)[0][0] if windows else 32
         self.forkable = {
@@ -450,7 +455,6 @@ def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: 
     if cfg.out is None:
         raise ValueError("out is not set: give --out DIR (or out: in the config)")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -460,6 +464,7 @@ def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: 
         raise ValueError("pass the codec together with the model")
     runner = Runner(model, codec, cfg)
     runner.plan()  # builds every policy once: fails before any work on one that cannot be built
+    out.mkdir(parents=True, exist_ok=True)
     samples = build_samples(cfg, codec)
     write_prompts(samples, cfg, out / "prompts.jsonl")
     resolved = {**cfg.to_dict(), "policy_specs": [p.to_dict() for p in cfg.policy_specs],

@@ -109,8 +109,8 @@ TASKS: dict[str, TaskSpec] = {}
 
 def _register(name: str, kind: str, max_new_tokens: int, metric: str, protocols=PROTOCOLS, **defaults):
     def deco(fn):
-        TASKS[name] = TaskSpec(name, kind, fn, max_new_tokens, tuple(protocols), metric, defaults,
-                               (fn.__doc__ or "").strip().split("\n")[0])
+        first = " ".join((fn.__doc__ or "").split()).split(". ")[0].rstrip(".") + "."
+        TASKS[name] = TaskSpec(name, kind, fn, max_new_tokens, tuple(protocols), metric, defaults, first)
         return fn
 
     return deco
