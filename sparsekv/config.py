@@ -38,10 +38,9 @@ class EvictionConfig:
     evict_slack: int = 8
     """During decoding a layer may exceed its budget by this many entries before the lowest go."""
     quantize: str | None = None
-    """None (keep the model's dtype) or "int8" (kept entries stored as int8 with per-token scales)."""
-    budget_layers: str = "full"
-    """Which layers the budget applies to: "full" (full-attention layers; sliding-window layers
-    stay as transformers keeps them) or "all"."""
+    """None (keep the model's dtype) or "int8" (kept entries of the budgeted layers stored as
+    int8 with one scale per token and KV head). The budget applies to full-attention layers;
+    sliding-window layers stay as transformers keeps them."""
 
     def __post_init__(self) -> None:
         b = self.budget
@@ -70,8 +69,6 @@ class EvictionConfig:
             raise ValueError(f"pyramid_slope={self.pyramid_slope!r} must be in [0, 1)")
         if self.quantize not in QUANTIZE:
             raise ValueError(f"quantize={self.quantize!r} is not supported; allowed values: None, 'int8'")
-        if self.budget_layers not in ("full", "all"):
-            raise ValueError(f"budget_layers={self.budget_layers!r} is not supported; allowed values: full, all")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
