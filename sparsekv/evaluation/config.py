@@ -8,7 +8,7 @@ Policy specs (one string per evaluated method):
 - NAME is a registered policy (`sparsekv.policies.available()`); ARG is its argument, the
   adapter folder or Hub id for `learned` (`learned:checkpoints/run/final`).
 - each `@KEY=VALUE` is an `EvictionConfig` field (schedule, rerank_every, sink_tokens,
-  recent_window, prefill_chunk, pyramid_slope, evict_slack, quantize, budget_layers) applied to
+  recent_window, prefill_chunk, pyramid_slope, evict_slack, quantize) applied to
   this method only, `label` (the name in tables and plots), or else a keyword argument of the
   policy (e.g. `blend` for learned, `window` for snapkv). Values are read as YAML scalars.
 
