@@ -49,6 +49,10 @@ def test_default_model_generates_deterministically(default_model):
 
 @pytest.mark.integration
 def test_second_load_is_fast(default_model):
-    t0 = time.perf_counter()
+    # CPU seconds, not wall time: the load is measured, not the other jobs sharing the machine
+    # (on an idle 2-core machine both are ~1-3 s; the wall bound only catches a reconversion,
+    # which takes ~60 s).
+    wall, cpu = time.perf_counter(), time.process_time()
     load_default_model()
-    assert time.perf_counter() - t0 < 5.0
+    assert time.process_time() - cpu < 5.0
+    assert time.perf_counter() - wall < 30.0
