@@ -65,11 +65,6 @@ def implementation_name(base: str) -> str:
     return f"sparsekv_{base}"
 
 
-def base_implementation(name: str) -> str:
-    """The plain implementation behind `name` ("sparsekv_sdpa" -> "sdpa"; "sdpa" -> "sdpa")."""
-    return name.removeprefix("sparsekv_")
-
-
 def register(base: str) -> str:
     """Register `sparsekv_<base>` with transformers (idempotent) and return its name."""
     from transformers import AttentionInterface

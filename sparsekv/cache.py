@@ -68,7 +68,6 @@ class _Shared:
         self.policy = policy
         self.num_budgeted = num_budgeted
         self.first_valid: torch.Tensor | None = None  # (batch,) index of the first real token
-        self.evictions = 0
         self.measure: Any = None  # callable returning the cache's current KV bytes
         self.peak_bytes = 0
         self.record: tuple[str, ...] = ()
@@ -385,7 +384,6 @@ class EvictingLayer(DynamicLayer):
         keep = eff.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values  # (batch, heads, k)
         self._take(keep)
         self.evicted = True
-        self.shared.evictions += 1
 
     def _take(self, index) -> None:
         """Keep entries `index` (a slice, or `(batch, heads, k)` indices) of every per-entry tensor."""

@@ -26,8 +26,6 @@ from typing import Callable, ClassVar
 
 import torch
 
-PHASES = ("prefill", "decode", "rerank")
-
 
 @dataclass
 class ScoreContext:
