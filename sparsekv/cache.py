@@ -269,17 +269,20 @@ class EvictingLayer(DynamicLayer):
             num_budgeted=self.shared.num_budgeted,
         )
 
-    def _attention_stats(self, query, kv_mask, scaling, softcap):
-        policy = self.shared.policy
-        which = policy.attention_queries
-        if which is None and not policy.tracks_observed:
-            return None
+    def _received_from(self, which: str | None, window: int, query, kv_mask, scaling, softcap):
+        """Attention the stored entries received from the new queries that `which` selects:
+        "all" (or None), the "last" one, or the last `window`. `(batch, kv_heads, stored)`."""
         q = query.shape[2]
-        n = {"all": q, "last": 1, "window": min(policy.window, q), None: q}[which]
-        if policy.tracks_observed and q == 1:
-            n = 1
+        n = {"all": q, "last": 1, "window": min(window, q), None: q}[which]
         m = None if kv_mask is None else kv_mask[:, :, -n:]
         return attn.received_attention(query[:, :, -n:], self.dense()[0], m, scaling, softcap)
+
+    def _attention_stats(self, query, kv_mask, scaling, softcap):
+        policy = self.shared.policy
+        if policy.attention_queries is None and not policy.tracks_observed:
+            return None
+        # While decoding there is one query: every selection is that query.
+        return self._received_from(policy.attention_queries, policy.window, query, kv_mask, scaling, softcap)
 
     def _set_scores(self, scores: torch.Tensor) -> None:
         expected = tuple(self.positions.shape)
@@ -300,11 +303,9 @@ class EvictingLayer(DynamicLayer):
 
     def _record(self, query, kv_mask, scaling, softcap) -> None:
         """Keep what any policy could ask for, so `SparseKVCache.fork` can compress later."""
-        q, rec = query.shape[2], self.recorded
+        rec = self.recorded
         for which in self.shared.record:
-            n = {"all": q, "last": 1, "window": min(self.shared.record_window, q)}[which]
-            m = None if kv_mask is None else kv_mask[:, :, -n:]
-            att = attn.received_attention(query[:, :, -n:], self.dense()[0], m, scaling, softcap)
+            att = self._received_from(which, self.shared.record_window, query, kv_mask, scaling, softcap)
             if which == "all" and which in rec:
                 att[..., : rec[which].shape[-1]] += rec[which]
             rec[which] = att
