@@ -190,11 +190,30 @@ def _digits(rng: random.Random, n: int = 5) -> str:
     return str(rng.randrange(10 ** (n - 1), 10**n))
 
 
+# Needle wordings. None of them is the evaluation's (sparsekv/evaluation/tasks.py): the head must
+# learn that a short, isolated fact matters, not memorise one sentence. Each passkey entry is
+# (needle, question, answer) with {k} for the number.
+_PASSKEY_TEMPLATES = (
+    ("The access code is {k}. Do not forget it.", "What is the access code?", "The access code is {k}."),
+    ("Note for later: the secret number is {k}.", "What is the secret number?", "The secret number is {k}."),
+    ("Locker combination: {k}. Keep it safe.", "What is the locker combination?", "The locker combination is {k}."),
+    ("The ticket issued today carries the number {k}.", "Which number does today's ticket carry?", "Today's ticket carries the number {k}."),
+    ("Remember this PIN: {k}.", "What PIN were you asked to remember?", "The PIN is {k}."),
+    ("Order {k} is the one to ship first.", "Which order ships first?", "Order {k} ships first."),
+)
+# (first assignment, copy) wordings of the variable chains, with {a}, {b} names and {v} a number.
+_VAR_TEMPLATES = (
+    ("Let {a} be {v}.", "Let {b} be equal to {a}."),
+    ("{a} := {v}", "{b} := {a}"),
+    ("Set {a} to {v}.", "Set {b} to the value of {a}."),
+)
+
+
 def _passkey(rng: random.Random, context: str) -> tuple[str, str, str]:
     key = _digits(rng)
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    needle, question, answer = (t.format(k=key) for t in rng.choice(_PASSKEY_TEMPLATES))
     text = _insert(context, [needle], [rng.random()])
-    return text, "What is the pass key?", f"The pass key is {key}."
+    return text, question, answer
 
 
 def _kv(rng: random.Random, context: str) -> tuple[str, str, str]:
@@ -210,15 +229,16 @@ def _kv(rng: random.Random, context: str) -> tuple[str, str, str]:
 def _vars(rng: random.Random, context: str) -> tuple[str, str, str]:
     hops = rng.randint(2, 4)
     names = rng.sample([a + b + c for a in "BCDFGH" for b in "KLMNPR" for c in "STVWXZ"], hops + 2)
+    first, copy = rng.choice(_VAR_TEMPLATES)
     value = _digits(rng)
-    lines = [f"VAR {names[0]} = {value}."]
-    lines += [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops)]
-    lines += [f"VAR {names[-1]} = {_digits(rng)}.", f"VAR {names[-2]} = VAR {names[-1]}."]
+    lines = [first.format(a=names[0], v=value)]
+    lines += [copy.format(a=names[i - 1], b=names[i]) for i in range(1, hops)]
+    lines += [first.format(a=names[-1], v=_digits(rng)), copy.format(a=names[-1], b=names[-2])]
     depths = sorted(rng.random() for _ in range(hops))  # the chain appears in reading order
     depths += [rng.random(), rng.random()]
     text = _insert(context, lines, depths)
-    q = f"What is the value of VAR {names[hops - 1]}?"
-    return text, q, f"VAR {names[hops - 1]} = {value}."
+    q = f"What is the value of {names[hops - 1]}?"
+    return text, q, f"{names[hops - 1]} is {value}."
 
 
 _MAKERS = {"passkey": _passkey, "kv": _kv, "vars": _vars}

@@ -79,6 +79,12 @@ class AdapterConfig:
     """Width of the MLP's hidden layer (unused for "linear")."""
     target: dict[str, Any] = field(default_factory=lambda: TargetConfig().to_dict())
     """The teacher target definition (`TargetConfig.to_dict()`)."""
+    recency: float = 0.0
+    """Recency prior the learned policy adds at inference: `recency * position / 1000` on top of
+    the head's logit. The head's logits are log-importances (it is trained with a softmax over
+    positions), so this ranks tokens by importance x exp(-age * recency / 1000): a token 1,000
+    positions older must be e**recency times more important to be kept. The ranking it implies
+    does not change as decoding proceeds, so each token is still scored once. 0 = head alone."""
     sparsekv_version: str = field(default_factory=_version)
     training_config: dict[str, Any] | None = None
     """The resolved training config, when the adapter was trained with `train.py`."""
@@ -113,6 +119,10 @@ class AdapterConfig:
         if not isinstance(self.target, dict):
             raise ValueError(f"target={self.target!r} must be a TargetConfig dict")
         self.target = TargetConfig.from_dict(self.target).to_dict()  # validates, fills defaults
+        r = self.recency
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r < float("inf")):
+            raise ValueError(f"recency={r!r} must be a finite number >= 0")
+        self.recency = float(r)
         if self.training_config is not None and not isinstance(self.training_config, dict):
             raise ValueError("training_config must be a dict or None")
         if self.eval_table is not None and not isinstance(self.eval_table, str):

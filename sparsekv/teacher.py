@@ -32,7 +32,9 @@ weighted mix of the received attention of `l` and of the layers after it:
 
 - `S(l)` = `l` and every later layer (`source_layers="all"`), or `l` and the later
   full-attention layers only (`"budgeted"`); `d(l, l')` is the rank distance of `l'` after `l`
-  within `S(l)` (0 for `l` itself). Default `decay=0.5`: weights 1, 1/2, 1/4, ... so the layer's
+  within `S(l)` (0 for `l` itself). `"all_budgeted"`: every full-attention layer, earlier ones
+  too, with `d` the distance between their ranks among the full-attention layers, so the last
+  budgeted layer (which has no later layer to borrow from) shares the earlier layers' signal. Default `decay=0.5`: weights 1, 1/2, 1/4, ... so the layer's
   own attention dominates and each later layer counts half as much as the one before it.
 - `dist(r)` rescales each layer's statistic to sum to 1 over the sequence (per batch row and KV
   head), so layers whose attention is spread differently (sliding windows vs. full attention,
@@ -71,7 +73,7 @@ from sparsekv.families import attention_modules, eager_attention_function, model
 
 STATS = ("mass", "max")
 CROSS_LAYER = ("cumulative", "per_layer")
-SOURCE_LAYERS = ("all", "budgeted")
+SOURCE_LAYERS = ("all", "budgeted", "all_budgeted")
 NORMALIZE = ("none", "length", "uniform")
 CROSS_HEAD = ("mean", "same")
 
@@ -93,7 +95,9 @@ class TargetConfig:
     """Weight of a source layer at rank distance d after the budgeted layer: decay**d; in [0, 1]
     (0 = the layer alone, 1 = all sources equal)."""
     source_layers: str = "all"
-    """Which later layers contribute: "all", or "budgeted" (full-attention layers only)."""
+    """Which other layers contribute: "all" later layers, "budgeted" (later full-attention layers
+    only) or "all_budgeted" (every full-attention layer, earlier ones too, at rank distance |d|:
+    the last budgeted layer borrows from the earlier ones)."""
     normalize: str = "length"
     """"none", "length" (divide mass by the number of queries that could see the key) or
     "uniform" (attention relative to a uniform spread, averaged over those queries)."""
@@ -452,6 +456,9 @@ def source_layers(layer: int, target: TargetConfig, layer_types: Sequence[str]) 
     """The layers whose statistics make up `layer`'s target, nearest first (`layer` itself first)."""
     if target.cross_layer == "per_layer":
         return [layer]
+    if target.source_layers == "all_budgeted":
+        full = [i for i, t in enumerate(layer_types) if t == "full_attention" and i != layer]
+        return [layer, *sorted(full, key=lambda i: (abs(i - layer), i))]
     later = range(layer + 1, len(layer_types))
     if target.source_layers == "budgeted":
         later = [i for i in later if layer_types[i] == "full_attention"]
@@ -482,9 +489,12 @@ def cumulative_targets(
         missing = [s for s in sources if s not in received]
         if missing:
             raise ValueError(f"the target of layer {layer} needs statistics of layers {missing}")
+        full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
         acc = None
         total = 0.0
         for rank, src in enumerate(sources):
+            if target.source_layers == "all_budgeted" and layer in full and src in full:
+                rank = abs(full.index(src) - full.index(layer))
             w = target.decay**rank
             if w == 0.0:
                 continue

@@ -286,3 +286,47 @@ def test_no_pickle_anywhere(tmp_path):
     for name in os.listdir(folder):
         data = (folder / name).read_bytes()
         assert not data.startswith(b"\x80") and b"PK\x03\x04" not in data[:4]  # pickle / torch zip
+
+
+def test_recency_prior_is_read_from_the_adapter_and_ranks_by_importance_times_decay(tmp_path):
+    from sparsekv.cache import SparseKVCache
+    from sparsekv.config import EvictionConfig
+
+    model = tiny_model("llama")
+    adapter = ScorerAdapter.for_model(model)
+    assert adapter.config.recency == 0.0 and adapter.policy().recency == 0.0
+    adapter.config.recency = 2000.0  # 2 nats per position
+    assert adapter.policy().recency == 2000.0 and adapter.policy(recency=0).recency == 0.0
+    adapter.save_pretrained(tmp_path / "rec")
+    assert ScorerAdapter.from_pretrained(tmp_path / "rec").config.recency == 2000.0
+    needle = 10
+
+    def flat_but_needle(layer_idx, hidden_states):
+        b, n, _ = hidden_states.shape
+        out = torch.zeros(b, 2, n)
+        start = flat_but_needle.seen
+        if start <= needle < start + n:
+            out[..., needle - start] = 41.0  # worth 20.5 positions of age at 2 nats each
+        flat_but_needle.seen += n
+        return out
+
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    kept = {}
+    for rec in (0.0, 2000.0):
+        flat_but_needle.seen = 0
+        adapter.score_layer = flat_but_needle
+        cache = SparseKVCache(model, EvictionConfig(budget=12, sink_tokens=0, recent_window=0,
+                                                    rerank_every=0, evict_slack=0),
+                              adapter.policy(recency=rec))
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache)
+        kept[rec] = sorted(cache.layers[0].positions[0, 0].tolist())
+        cache.close()
+    # without the prior: the needle plus ties; with it: the needle (41 > 2 * (39 - 10 - 11))
+    # and the 11 most recent positions, the same set a ranking by logit + 2 * position gives
+    assert needle in kept[0.0]
+    assert kept[2000.0] == [needle, *range(29, 40)]
+    with pytest.raises(ValueError, match="recency"):
+        adapter.policy(recency=-1.0)
+    with pytest.raises(ValueError, match="recency"):
+        AdapterConfig(**{**adapter.config.__dict__, "recency": float("nan")})

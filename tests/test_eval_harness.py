@@ -260,3 +260,50 @@ def test_learned_adapter_runs_in_the_grid(tmp_path):
     assert [r["policy"] for r in rows] == ["full", "snapkv", "learned-blend", f"learned:{adapter_dir}"]
     assert all(r["error"] is None and r["prefill_shared"] for r in rows)
     assert all(r["kv_bytes_compressed"] < rows[0]["kv_bytes_compressed"] for r in rows[1:])
+
+
+def _key(r: dict) -> tuple:
+    return (r["sample_id"], r["protocol"], r["policy"], str(r["budget"]))
+
+
+def _measured(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in TIMING}
+
+
+def test_two_workers_give_the_rows_of_one(run_dir, tmp_path):
+    out = tmp_path / "w2"
+    assert main(["eval", *GRID, "--workers", "2", "--out", str(out)]) == 0
+    one, two = _rows(run_dir), _rows(out)
+    assert not list(out.glob("results.part-*"))
+    assert sorted(map(_key, one)) == sorted(map(_key, two))
+    by_key = {_key(r): _measured(r) for r in one}
+    for r in two:
+        assert _measured(r) == by_key[_key(r)], _key(r)
+    assert yaml.safe_load((out / "config.yaml").read_text())["workers"] == 2
+
+
+def test_resume_keeps_complete_groups_and_reruns_the_rest(run_dir, tmp_path, capsys):
+    out = tmp_path / "res"
+    small = [a if a != "2" else "1" for a in GRID]  # --samples 1
+    assert main(["eval", *small, "--out", str(out)]) == 0
+    first = {_key(r): r for r in _rows(out)}
+    # an interrupted later run left a part file with one incomplete group (a reference row only)
+    stray = dict(next(r for r in _rows(run_dir) if r["sample_id"].endswith("-1") and r["policy"] == "full"))
+    stray["prefill_s"] = -1.0
+    (out / "results.part-0.jsonl").write_text(json.dumps(stray) + "\n")
+    assert main(["eval", *GRID, "--resume", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert sorted(map(_key, rows)) == sorted(map(_key, _rows(run_dir)))  # complete, no duplicates
+    for r in rows:
+        if _key(r) in first:  # kept as they were, timings included: not rerun
+            assert r == first[_key(r)]
+        else:
+            assert r["prefill_s"] > 0  # the stray incomplete group was rerun
+    assert not list(out.glob("results.part-*"))
+    # a grid that changes what earlier rows mean refuses to resume, naming the field
+    capsys.readouterr()
+    assert main(["eval", *[a if a != "3" else "4" for a in GRID], "--resume", "--out", str(out)]) == 2
+    assert "with seed=3, this grid has seed=4" in capsys.readouterr().err
+    relabel = [a if a != "snapkv,h2o" else "snapkv@window=4@label=snapkv,h2o" for a in GRID]
+    assert main(["eval", *relabel, "--resume", "--out", str(out)]) == 2
+    assert "label 'snapkv' meant 'snapkv'" in capsys.readouterr().err

@@ -196,6 +196,18 @@ def test_cumulative_target_formula():
     t = cumulative_targets(received, [1], budgeted, types)
     torch.testing.assert_close(t[1], (dist(received[1]) + 0.5 * dist(received[3])) / 1.5)
 
+    # all_budgeted: the last full layer borrows from the earlier one (distance 1 in full ranks)
+    shared = TargetConfig(decay=0.5, source_layers="all_budgeted", cross_head="same")
+    assert source_layers(3, shared, types) == [3, 1]
+    t = cumulative_targets(received, [1, 3], shared, types)
+    torch.testing.assert_close(t[3], (dist(received[3]) + 0.5 * dist(received[1])) / 1.5)
+    torch.testing.assert_close(t[1], (dist(received[1]) + 0.5 * dist(received[3])) / 1.5)
+    types6 = ["full_attention", "sliding_attention"] * 3  # full layers 0, 2, 4
+    rec6 = {i: torch.rand(1, 2, 6, generator=g) for i in range(6)}
+    assert source_layers(2, shared, types6) == [2, 0, 4]
+    t = cumulative_targets(rec6, [2], shared, types6)  # both neighbours at full-rank distance 1
+    torch.testing.assert_close(t[2], (dist(rec6[2]) + 0.5 * dist(rec6[0]) + 0.5 * dist(rec6[4])) / 2.0)
+
     per_layer = TargetConfig(cross_layer="per_layer")
     assert source_layers(1, per_layer, types) == [1]
     torch.testing.assert_close(

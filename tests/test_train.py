@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -416,9 +417,9 @@ def test_data_builder_is_deterministic_and_hides_needles_in_prose(tmp_path):
     }
     for r in synth:
         assert r["text"].rstrip().endswith(r["answer"]) and "Question:" in r["text"]
-    pk = next(r for r in synth if r["source"] == "synthetic:passkey")
-    key = pk["answer"].split()[-1].rstrip(".")
-    assert pk["text"].count(key) >= 3  # the needle (twice) and the answer
+    for pk in (r for r in synth if r["source"] == "synthetic:passkey"):
+        key = re.search(r"\d{5}", pk["answer"]).group()
+        assert pk["text"].count(key) >= 2  # the needle and the answer
     out = tmp_path / "c.jsonl"
     assert (
         main(
@@ -508,3 +509,15 @@ def test_deepspeed_single_process_resumes_exactly(stage, full_run, tmp_path, cor
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "deepspeed" in {p.name for p in (out / "step-0006").iterdir()}
     assert losses(out) == pytest.approx(losses(full_run), rel=1e-6)
+
+
+def test_training_needles_never_use_the_evaluation_wording():
+    """The evaluation's needle and question sentences must not appear in the training corpus,
+    or passkey accuracy would partly measure memorisation of one sentence."""
+    from data.build import BuildConfig, build
+
+    synth = [r for r in build(BuildConfig(seed=3, max_prose_chars=20_000, synthetic=60, context_chars=300))
+             if r["source"].startswith("synthetic")]
+    assert {r["source"] for r in synth} == {f"synthetic:{k}" for k in ("passkey", "kv", "vars")}
+    for phrase in ("pass key", "Remember it.", "special magic number", "VAR "):
+        assert not any(phrase in r["text"] for r in synth), phrase

@@ -48,7 +48,10 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--attn", dest="attn_implementation", help="sdpa or eager")
     p.add_argument("--eviction", help="EvictionConfig fields for every policy, e.g. "
                                       "schedule=pyramid,rerank_every=16,recent_window=64")
-    p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--threads", type=int, help="torch threads (per worker)")
+    p.add_argument("--workers", type=int, help="processes sharing the grid (default 1; 2 uses both cores of a 2-core box)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the complete sample x protocol groups already in --out and run the rest")
     p.add_argument("--live-prefill", action="store_true",
                    help="prefill every run itself instead of forking one shared prefill per prompt "
                         "(true per-method prefill time and peak KV bytes; much slower)")
@@ -88,7 +91,7 @@ def resolve_config(args: argparse.Namespace):
     overrides: dict[str, Any] = {
         k: getattr(args, k)
         for k in ("out", "model", "dtype", "attn_implementation", "tasks", "lengths", "policies",
-                  "budgets", "protocols", "samples", "seed", "threads")
+                  "budgets", "protocols", "samples", "seed", "threads", "workers")
         if getattr(args, k, None) is not None
     }
     if getattr(args, "live_prefill", False):
@@ -176,7 +179,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
         print(f"wrote {len(samples)} prompts to {out / 'prompts.jsonl'}")
         return 0
-    out = runner.run_eval(cfg, progress=not args.no_progress)
+    out = runner.run_eval(cfg, progress=not args.no_progress, resume=args.resume)
     print(f"results in {out}: results.jsonl, summary.csv, summary.md, quality_*.png, kl_*.png, config.yaml",
           file=sys.stderr)
     print((out / "summary.md").read_text())

@@ -154,6 +154,9 @@ class EvalConfig:
     """Per task: generator options (e.g. multikey: {num_keys: 8}) and max_new_tokens."""
     threads: int | None = None
     """torch.set_num_threads for the run (None = torch's default)."""
+    workers: int = 1
+    """Processes sharing the grid (each loads its own model and runs whole sample x protocol
+    groups; `threads` each, default cores / workers). 2 on a 2-core machine halves the wall time."""
     shared_prefill: bool = True
     """Prefill each prompt once and let every policy and budget start from a fork of it
     (`SparseKVCache.fork`: the same kept entries as its own prefill, without repeating the
@@ -215,6 +218,8 @@ class EvalConfig:
                 raise ValueError(f"task_options[{t!r}] has unknown option(s) {bad}; allowed: {allowed}")
         if not isinstance(self.shared_prefill, bool):
             raise ValueError(f"shared_prefill={self.shared_prefill!r} must be true or false")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers={self.workers!r} must be an int >= 1")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads={self.threads!r} must be None or an int >= 1")
 

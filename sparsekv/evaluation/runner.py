@@ -445,9 +445,108 @@ def dump_row(f, row: dict) -> None:
     f.flush()
 
 
+# Fields of config.yaml that must match for `resume` to reuse earlier rows: the rest (tasks,
+# lengths, samples, policies, budgets, protocols, threads, workers) may grow between runs.
+_RESUME_FIELDS = ("model", "dtype", "attn_implementation", "seed", "eviction", "task_options", "shared_prefill")
+
+
+def _method_keys(cfg: EvalConfig) -> set[tuple[str, str]]:
+    """(label, budget) of every run of one group, the reference included."""
+    return {(REFERENCE, str(1.0))} | {(p.label, str(b)) for p in cfg.policy_specs for b in cfg.budgets}
+
+
+def _check_resumable(out: Path, cfg: EvalConfig) -> None:
+    path = out / "config.yaml"
+    if not path.exists():
+        return
+    old = yaml.safe_load(path.read_text()) or {}
+    new = cfg.to_dict()
+    for k in _RESUME_FIELDS:
+        if k in old and old[k] != new[k]:
+            raise ValueError(
+                f"resume: {out} was run with {k}={old[k]!r}, this grid has {k}={new[k]!r}; "
+                "use another --out (or the same setting) to resume"
+            )
+    specs = {p["label"]: p["spec"] for p in old.get("policy_specs") or []}
+    for p in cfg.policy_specs:
+        if p.label in specs and specs[p.label] != p.spec:
+            raise ValueError(
+                f"resume: label {p.label!r} meant {specs[p.label]!r} in {out}, here {p.spec!r}; "
+                "give the new method another @label=NAME"
+            )
+
+
+def _completed_rows(rows: list[dict], cfg: EvalConfig) -> tuple[list[dict], set[tuple[str, str]]]:
+    """The rows worth keeping on resume and the (sample_id, protocol) groups they complete.
+
+    A group of our own rows is complete when it holds every (label, budget) of `cfg`; rows of
+    incomplete groups are dropped (the group reruns: its reference must be recomputed anyway).
+    Rows of peers (`source` other than sparsekv) are always kept."""
+    want = _method_keys(cfg)
+    have: dict[tuple[str, str], set] = {}
+    for r in rows:
+        if r.get("source", "sparsekv") == "sparsekv":
+            have.setdefault((r["sample_id"], r["protocol"]), set()).add((r["policy"], str(r["budget"])))
+    done = {g for g, keys in have.items() if want <= keys}
+    keep = [r for r in rows if r.get("source", "sparsekv") != "sparsekv" or (r["sample_id"], r["protocol"]) in done]
+    return keep, done
+
+
+def _write_rows_atomic(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        for r in rows:
+            dump_row(f, r)
+    tmp.replace(path)
+
+
+def _run_groups(cfg: EvalConfig, groups: list[tuple[Sample, str]], part: Path, model=None, codec=None,
+                on_row=None) -> None:
+    """Run `groups` ((sample, protocol) pairs) and append their rows to `part` as they come."""
+    from sparsekv.evaluation.models import load_model
+
+    if model is None:
+        model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
+    runner = Runner(model, codec, cfg)
+    runner.plan()
+    with open(part, "a") as f:
+        for s, protocol in groups:
+            for row in runner.run_group(s, protocol):
+                dump_row(f, row)
+                if on_row is not None:
+                    on_row(s, protocol, row)
+
+
+def _worker(cfg_dict: dict, groups: list[tuple[Sample, str]], part: str, threads: int) -> None:
+    """Entry point of one worker process (spawned): its own model, one shard of the groups."""
+    torch.set_num_threads(threads)
+    cfg = EvalConfig.from_dict(cfg_dict)
+    torch.manual_seed(cfg.seed)
+    _run_groups(cfg, groups, Path(part))
+
+
+def _line_count(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
 def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: bool = True,
-             report: bool = True) -> Path:
-    """Run the grid of `cfg` and write everything into `cfg.out`; returns the folder."""
+             report: bool = True, resume: bool = False) -> Path:
+    """Run the grid of `cfg` and write everything into `cfg.out`; returns the folder.
+
+    `resume=True` keeps the complete (sample, protocol) groups already in `cfg.out` (from
+    results.jsonl and from the part files an interrupted run left) and runs only the rest, so a
+    grid can grow (more samples, tasks, methods) or survive a stop. With `cfg.workers` > 1 the
+    groups are dealt round-robin to that many spawned processes (each loads its own model and
+    uses `threads` or cores / workers torch threads; `model` serves only to plan and tokenize). Rows are
+    appended to `results.part-<k>.jsonl` as they finish and merged into results.jsonl at the end.
+    """
+    import multiprocessing as mp
+    import os
+
     from tqdm.auto import tqdm
 
     from sparsekv.evaluation.models import load_model
@@ -455,32 +554,71 @@ def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: 
     if cfg.out is None:
         raise ValueError("out is not set: give --out DIR (or out: in the config)")
     out = Path(cfg.out)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    workers = cfg.workers
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // workers)
+    torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     if model is None:
         model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
     elif codec is None:
         raise ValueError("pass the codec together with the model")
-    runner = Runner(model, codec, cfg)
-    runner.plan()  # builds every policy once: fails before any work on one that cannot be built
+    Runner(model, codec, cfg).plan()  # builds every policy once: fails before any work
     out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    parts = sorted(out.glob("results.part-*.jsonl"))
+    if resume:
+        _check_resumable(out, cfg)
+        old = (read_rows(results) if results.exists() else []) + [r for p in parts for r in read_rows(p)]
+        keep, done = _completed_rows(old, cfg)
+    else:
+        keep, done = [], set()
+    _write_rows_atomic(results, keep)
+    for p in parts:
+        p.unlink()
     samples = build_samples(cfg, codec)
     write_prompts(samples, cfg, out / "prompts.jsonl")
     resolved = {**cfg.to_dict(), "policy_specs": [p.to_dict() for p in cfg.policy_specs],
                 "environment": _environment(model, codec)}
     (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    n_runs, _ = grid_size(cfg, samples)
-    bar = tqdm(total=n_runs, unit="run", disable=not progress, desc="sparsekv eval", dynamic_ncols=True)
-    with open(out / "results.jsonl", "w") as f:
-        for s in samples:
-            for protocol in cfg.protocols_for(s.task):
-                bar.set_postfix_str(f"{s.sample_id} {protocol}", refresh=True)
-                for row in runner.run_group(s, protocol):
-                    dump_row(f, row)
-                    bar.set_postfix_str(f"{s.sample_id} {protocol} {row['policy']}@{row['budget']}", refresh=False)
-                    bar.update(1)
+    todo = [(s, pr) for s in samples for pr in cfg.protocols_for(s.task) if (s.sample_id, pr) not in done]
+    per_group = len(_method_keys(cfg))
+    bar = tqdm(total=len(todo) * per_group, unit="run", disable=not progress, desc="sparsekv eval",
+               dynamic_ncols=True)
+    if done and progress:
+        bar.write(f"resume: {len(done)} complete groups kept, {len(todo)} to run")
+    if workers == 1 or len(todo) <= 1:
+        def on_row(s, protocol, row):
+            bar.set_postfix_str(f"{s.sample_id} {protocol} {row['policy']}@{row['budget']}", refresh=False)
+            bar.update(1)
+
+        _run_groups(cfg, todo, out / "results.part-0.jsonl", model, codec, on_row)
+    else:
+        ctx = mp.get_context("spawn")
+        procs = []
+        for k in range(workers):
+            shard = todo[k::workers]
+            if shard:
+                part = out / f"results.part-{k}.jsonl"
+                pr = ctx.Process(target=_worker, args=(cfg.to_dict(), shard, str(part), threads), daemon=True)
+                pr.start()
+                procs.append((pr, part))
+        seen = 0
+        while any(pr.is_alive() for pr, _ in procs):
+            time.sleep(1.0)
+            n = sum(_line_count(part) for _, part in procs)
+            bar.update(n - seen)
+            seen = n
+        bar.update(sum(_line_count(part) for _, part in procs) - seen)
+        failed = [pr.exitcode for pr, _ in procs if pr.exitcode != 0]
+        if failed:
+            bar.close()
+            raise RuntimeError(f"{len(failed)} evaluation worker(s) failed (exit codes {failed}); "
+                               f"finished groups are kept: rerun with --resume to continue")
     bar.close()
+    new_parts = sorted(out.glob("results.part-*.jsonl"))
+    _write_rows_atomic(results, keep + [r for p in new_parts for r in read_rows(p)])
+    for p in new_parts:
+        p.unlink()
     if report:
         from sparsekv.evaluation.report import write_reports
 

@@ -1,5 +1,10 @@
 """The learned policy: a trained gating head scores each token once, when it enters the cache.
 
+With `recency` > 0 the score of a token at absolute position `p` is `logit + recency * p / 1000`:
+an exponential recency prior on the head's log-importance (see `AdapterConfig.recency`). Because
+the bonus is linear in the absolute position, the ranking it gives never changes as new tokens
+arrive, so a token is still scored once, when it enters the cache.
+
 At a global re-rank the head's prior can be blended with the attention the kept entries actually
 received since the last re-rank (`blend` in [0, 1]; 0 = prior only). Both are turned into
 per-head standard scores before mixing so that neither scale dominates.
@@ -27,16 +32,22 @@ class LearnedPolicy(Policy):
 
     needs_hidden_states = True
 
-    def __init__(self, adapter, blend: float = 0.0, window: int = 32):
+    def __init__(self, adapter, blend: float = 0.0, window: int = 32, recency: float | None = None):
         """`adapter`: a `ScorerAdapter`, a folder or Hub id to load one from, or any object with
-        `score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`."""
-        if not (0.0 <= blend <= 1.0):
+        `score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`.
+        `recency`: None = the adapter's own (`adapter.config.recency`, else 0)."""
+        if isinstance(blend, bool) or not isinstance(blend, (int, float)) or not (0.0 <= blend <= 1.0):
             raise ValueError(f"blend={blend!r} must be in [0, 1]")
         if isinstance(adapter, str):
             from sparsekv.adapter import ScorerAdapter
 
             adapter = ScorerAdapter.from_pretrained(adapter)
+        if recency is None:
+            recency = getattr(getattr(adapter, "config", None), "recency", 0.0)
+        if isinstance(recency, bool) or not isinstance(recency, (int, float)) or not (0.0 <= recency < float("inf")):
+            raise ValueError(f"recency={recency!r} must be a finite number >= 0")
         self.adapter = adapter
+        self.recency = float(recency)
         self.blend = float(blend)
         self.window = window
         # With blending on, the cache tracks the attention kept entries receive (observed) and
@@ -47,8 +58,11 @@ class LearnedPolicy(Policy):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         out = ctx.carry()
         if ctx.num_new:
-            new = self.adapter.score_layer(ctx.layer_idx, ctx.hidden_states)  # (b, kv_heads, new)
-            out[..., out.shape[-1] - ctx.num_new :] = new.to(out.dtype)
+            new = self.adapter.score_layer(ctx.layer_idx, ctx.hidden_states).to(out.dtype)  # (b, kv_heads, new)
+            if self.recency:
+                pos = ctx.positions[..., -ctx.num_new :].to(out.dtype)
+                new = new + self.recency / 1000.0 * pos
+            out[..., out.shape[-1] - ctx.num_new :] = new
         if self.blend > 0:
             obs = ctx.attention if ctx.phase == "prefill" else (ctx.observed if ctx.phase == "rerank" else None)
             if obs is not None:
