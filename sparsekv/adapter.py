@@ -85,6 +85,9 @@ class AdapterConfig:
     positions), so this ranks tokens by importance x exp(-age * recency / 1000): a token 1,000
     positions older must be e**recency times more important to be kept. The ranking it implies
     does not change as decoding proceeds, so each token is still scored once. 0 = head alone."""
+    kernel_size: int = 1
+    """Max-pooling width (odd) the learned policy applies to the head's scores of tokens that
+    enter the cache together, so a needle split into several tokens survives whole. 1 = none."""
     sparsekv_version: str = field(default_factory=_version)
     training_config: dict[str, Any] | None = None
     """The resolved training config, when the adapter was trained with `train.py`."""
@@ -123,6 +126,9 @@ class AdapterConfig:
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r < float("inf")):
             raise ValueError(f"recency={r!r} must be a finite number >= 0")
         self.recency = float(r)
+        k = self.kernel_size
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
+            raise ValueError(f"kernel_size={k!r} must be an odd int >= 1")
         if self.training_config is not None and not isinstance(self.training_config, dict):
             raise ValueError("training_config must be a dict or None")
         if self.eval_table is not None and not isinstance(self.eval_table, str):

@@ -391,3 +391,53 @@ def test_fork_from_recorded_prefill_equals_live_prefill(fam):
         base.fork(EvictionConfig(budget=0.3), policies.get("snapkv", window=8))
     with pytest.raises(ValueError, match="needs the 'full' policy"):
         SparseKVCache(model, EvictionConfig(budget=0.3), "snapkv", record=("all",))
+
+
+def test_learned_blend_max_keeps_what_either_signal_ranks_high():
+    """blend_mode="max" is a union: the head's needle (A) and the window's pick (B) both outrank a
+    token that both rate fairly well (C); a weighted average ("mix") prefers C to both."""
+    from sparsekv.policies.base import ScoreContext
+
+    n, A, B, C = 12, 2, 7, 9
+    prior = torch.zeros(1, 1, n)
+    prior[..., A], prior[..., C] = 6.0, 3.5
+    attn = torch.full((1, 1, n), 0.01)
+    attn[..., B], attn[..., C] = 0.8, 0.2
+
+    class Fixed:
+        def score_layer(self, layer_idx, hidden_states):
+            return prior.clone()
+
+    ctx = ScoreContext(layer_idx=0, phase="prefill", keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4),
+                       positions=torch.arange(n).view(1, 1, n), num_new=n, tokens_seen=n, attention=attn,
+                       hidden_states=torch.zeros(1, n, 8))
+    top2 = {}
+    for mode in ("mix", "max"):
+        s = policies.get("learned", adapter=Fixed(), blend=0.5, blend_mode=mode).score(ctx)
+        top2[mode] = set(s[0, 0].topk(2).indices.tolist())
+    assert top2["max"] == {A, B}
+    assert C in top2["mix"]
+    with pytest.raises(ValueError, match="blend_mode"):
+        policies.get("learned", adapter=Fixed(), blend=0.5, blend_mode="union")
+
+
+def test_learned_kernel_size_keeps_the_neighbours_of_a_flagged_token():
+    from sparsekv.policies.base import ScoreContext
+
+    n, needle = 16, 8
+    prior = -torch.arange(n, dtype=torch.float32).view(1, 1, n) / 100  # mild preference for early
+    prior[..., needle] = 5.0
+
+    class Fixed:
+        def score_layer(self, layer_idx, hidden_states):
+            return prior.clone()
+
+    ctx = ScoreContext(layer_idx=0, phase="prefill", keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4),
+                       positions=torch.arange(n).view(1, 1, n), num_new=n, tokens_seen=n,
+                       hidden_states=torch.zeros(1, n, 8))
+    plain = policies.get("learned", adapter=Fixed()).score(ctx)
+    pooled = policies.get("learned", adapter=Fixed(), kernel_size=3).score(ctx)
+    assert set(plain[0, 0].topk(3).indices.tolist()) == {needle, 0, 1}
+    assert set(pooled[0, 0].topk(3).indices.tolist()) == {needle - 1, needle, needle + 1}
+    with pytest.raises(ValueError, match="kernel_size"):
+        policies.get("learned", adapter=Fixed(), kernel_size=4)

@@ -211,6 +211,19 @@ def test_policy_spec_syntax():
         parse_policy("learned")
     with pytest.raises(ValueError, match="labels must be unique"):
         EvalConfig(model="tiny:llama", policies=["snapkv", "snapkv"])
+    # per-method budgets: an ablation at one budget inside a grid of several
+    assert parse_policy("snapkv@budgets=0.3").budgets == (0.3,)
+    assert parse_policy("h2o@budgets=0.1+0.5").budgets == (0.1, 0.5)
+    assert parse_policy({"policy": "tova", "budgets": [0.2, 64]}).budgets == (0.2, 64)
+    assert parse_policy("tova").budgets is None
+    with pytest.raises(ValueError, match="budget"):
+        parse_policy("snapkv@budgets=0.1+lots")
+    cfg = EvalConfig(model="tiny:llama", policies=["snapkv", "h2o@rerank_every=4@budgets=0.3@label=h2o-r4"],
+                     budgets=[0.1, 0.3], tasks=["passkey"], protocols=["agnostic"], samples=1)
+    assert [cfg.budgets_of(p) for p in cfg.policy_specs] == [[0.1, 0.3], [0.3]]
+    from sparsekv.evaluation.runner import _method_keys
+
+    assert _method_keys(cfg) == {("full", "1.0"), ("snapkv", "0.1"), ("snapkv", "0.3"), ("h2o-r4", "0.3")}
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "eval").glob("*.yaml")), ids=lambda p: p.name)

@@ -32,6 +32,16 @@ from train.config import TrainConfig, dump_yaml, field_docs, load_config
 from train.data import BlockDataset, load_texts, tokenize_blocks
 from train.models import load_model
 
+_T0 = time.perf_counter()  # process start, for the wall time printed at the end
+
+
+def _peak_rss_mb() -> float:
+    """Peak resident memory of this process in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
 USAGE = """\
 python train.py --config configs/train/<name>.yaml [key=value ...] [--push_to_hub user/repo]
 accelerate launch [--config_file configs/accelerate/<name>.yaml] train.py --config ... [key=value ...]
@@ -579,9 +589,16 @@ class Trainer:
                 )
         acc.wait_for_everyone()
         acc.end_training()
+        summary["wall_s"] = round(time.perf_counter() - _T0, 1)
+        summary["peak_rss_mb"] = round(_peak_rss_mb(), 1)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            summary["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        gpu = f", peak GPU memory {summary['peak_gpu_mb']:.0f} MiB" if "peak_gpu_mb" in summary else ""
         acc.print(
             f"done: {self.state.step} steps; trainable parameters {n} "
-            f"({100 * n / base:.3f}% of the base model's {base}); adapter in {summary['final']}"
+            f"({100 * n / base:.3f}% of the base model's {base}); adapter in {summary['final']}\n"
+            f"wall time {summary['wall_s'] / 60:.1f} min (model loading included), "
+            f"peak memory (RSS) {summary['peak_rss_mb'] / 1024:.2f} GiB{gpu}"
         )
         return summary
 

@@ -9,8 +9,10 @@ Policy specs (one string per evaluated method):
   adapter folder or Hub id for `learned` (`learned:checkpoints/run/final`).
 - each `@KEY=VALUE` is an `EvictionConfig` field (schedule, rerank_every, sink_tokens,
   recent_window, prefill_chunk, pyramid_slope, evict_slack, quantize) applied to
-  this method only, `label` (the name in tables and plots), or else a keyword argument of the
-  policy (e.g. `blend` for learned, `window` for snapkv). Values are read as YAML scalars.
+  this method only, `label` (the name in tables and plots), `budgets` (this method's own
+  budgets instead of the grid's, joined with '+': `@budgets=0.3` or `@budgets=0.1+0.3`; an
+  ablation then costs one run per prompt, not one per grid budget), or else a keyword argument
+  of the policy (e.g. `blend` for learned, `window` for snapkv). Values are read as YAML scalars.
 
 Examples: `snapkv`, `snapkv@window=64`, `h2o@rerank_every=4@label=h2o-r4`,
 `learned:checkpoints/run/final@blend=0.5@schedule=pyramid`.
@@ -45,6 +47,7 @@ class PolicySpec:
     policy_kwargs: dict[str, Any]
     eviction: dict[str, Any]
     label: str
+    budgets: tuple | None = None  # this method's own budgets (None = the grid's)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,12 +91,17 @@ def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
     if arg and name != "learned":
         raise ValueError(f"policy {text!r}: only 'learned' takes an argument after ':'")
     label = str(options.pop("label", text))
+    own = options.pop("budgets", options.pop("budget", None))
+    budgets = None
+    if own is not None:
+        budgets = tuple(parse_budget(b) for b in (own.split("+") if isinstance(own, str) else _split(own)))
+        if not budgets:
+            raise ValueError(f"policy {text!r}: @budgets needs at least one budget, e.g. @budgets=0.3")
     eviction = {k: options.pop(k) for k in list(options) if k in EVICTION_FIELDS}
-    if "budget" in options:
-        raise ValueError(f"policy {text!r}: budgets are set for the whole grid (--budget), not per policy")
     if eviction:
         EvictionConfig(budget=0.5, **eviction)  # raises naming the field
-    return PolicySpec(spec=text, name=head, policy_kwargs=options, eviction=eviction, label=label)
+    return PolicySpec(spec=text, name=head, policy_kwargs=options, eviction=eviction, label=label,
+                      budgets=budgets)
 
 
 def _split(value: Any) -> list:
@@ -190,7 +198,7 @@ class EvalConfig:
         if dup:
             raise ValueError(f"policy labels must be unique and not {REFERENCE!r}: {dup}; add @label=NAME")
         self.budgets = [parse_budget(b) for b in _split(self.budgets)]
-        if not self.budgets and self._parsed:
+        if not self.budgets and any(p.budgets is None for p in self._parsed):
             raise ValueError("budgets is empty; give fractions in (0, 1] such as 0.1,0.3")
         self.protocols = [str(p) for p in _split(self.protocols)]
         bad = [p for p in self.protocols if p not in PROTOCOLS]
@@ -236,6 +244,10 @@ class EvalConfig:
     @property
     def policy_specs(self) -> list[PolicySpec]:
         return list(self._parsed)
+
+    def budgets_of(self, spec: PolicySpec) -> list:
+        """The budgets `spec` runs at: its own (`@budgets=`) or the grid's."""
+        return list(spec.budgets) if spec.budgets is not None else list(self.budgets)
 
     def protocols_for(self, task: str) -> list[str]:
         """The protocols a task runs under: the requested ones it supports, else agnostic."""

@@ -349,7 +349,7 @@ class Runner:
                 row, ref = self.run_reference(sample, protocol)
             yield row
             for spec in self.cfg.policy_specs:
-                for budget in self.cfg.budgets:
+                for budget in self.cfg.budgets_of(spec):
                     use = shared if self.forkable[spec.label] else None
                     yield self.run_policy(sample, protocol, spec, budget, ref, use)
         finally:
@@ -406,7 +406,7 @@ class _SharedPrefill:
 def grid_size(cfg: EvalConfig, samples: list[Sample]) -> tuple[int, int]:
     """(number of runs, number of prompt tokens processed) of the whole grid."""
     runs = tokens = 0
-    per = 1 + len(cfg.policy_specs) * len(cfg.budgets)
+    per = 1 + sum(len(cfg.budgets_of(p)) for p in cfg.policy_specs)
     for s in samples:
         k = len(cfg.protocols_for(s.task)) * per
         runs += k
@@ -452,7 +452,7 @@ _RESUME_FIELDS = ("model", "dtype", "attn_implementation", "seed", "eviction", "
 
 def _method_keys(cfg: EvalConfig) -> set[tuple[str, str]]:
     """(label, budget) of every run of one group, the reference included."""
-    return {(REFERENCE, str(1.0))} | {(p.label, str(b)) for p in cfg.policy_specs for b in cfg.budgets}
+    return {(REFERENCE, str(1.0))} | {(p.label, str(b)) for p in cfg.policy_specs for b in cfg.budgets_of(p)}
 
 
 def _check_resumable(out: Path, cfg: EvalConfig) -> None:

@@ -55,6 +55,24 @@ class ScoreContext:
         return out
 
 
+def max_pool_seq(x: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """Max over a centred window of `kernel_size` (odd) entries along the last axis of
+    `(batch, heads, seq)`: a token scores at least as high as its best neighbour, so spans
+    (a number split into digit tokens, a key and its value) survive together."""
+    if kernel_size <= 1 or x.shape[-1] == 0:
+        return x
+    import torch.nn.functional as F
+
+    b, h, n = x.shape
+    return F.max_pool1d(x.reshape(b * h, 1, n), kernel_size, stride=1, padding=kernel_size // 2).reshape(b, h, n)
+
+
+def check_kernel_size(kernel_size) -> int:
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size={kernel_size!r} must be an odd int >= 1")
+    return kernel_size
+
+
 class Policy:
     """Base class of every scoring method. Subclasses set `name` and implement `score`."""
 

@@ -8,9 +8,8 @@ cache's job, so none of that appears here.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from sparsekv.policies.base import Policy, ScoreContext, register
+from sparsekv.policies.base import Policy, ScoreContext, check_kernel_size, max_pool_seq, register
 
 
 @register("full")
@@ -95,20 +94,13 @@ class SnapKVPolicy(Policy):
     def __init__(self, window: int = 32, kernel_size: int = 7):
         if window < 1:
             raise ValueError(f"window={window!r} must be >= 1")
-        if kernel_size < 1 or kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size={kernel_size!r} must be an odd int >= 1")
         self.window = window
-        self.kernel_size = kernel_size
+        self.kernel_size = check_kernel_size(kernel_size)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         if ctx.attention is None:
             return ctx.carry()
-        att = ctx.attention
-        if self.kernel_size > 1:
-            b, h, n = att.shape
-            att = F.max_pool1d(
-                att.reshape(b * h, 1, n), self.kernel_size, stride=1, padding=self.kernel_size // 2
-            ).reshape(b, h, n)
+        att = max_pool_seq(ctx.attention, self.kernel_size)
         if ctx.phase == "prefill" and ctx.prev_scores is None:
             return att
         return ctx.carry() + att

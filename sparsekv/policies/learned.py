@@ -5,16 +5,25 @@ an exponential recency prior on the head's log-importance (see `AdapterConfig.re
 the bonus is linear in the absolute position, the ranking it gives never changes as new tokens
 arrive, so a token is still scored once, when it enters the cache.
 
-At a global re-rank the head's prior can be blended with the attention the kept entries actually
-received since the last re-rank (`blend` in [0, 1]; 0 = prior only). Both are turned into
-per-head standard scores before mixing so that neither scale dominates.
+At prefill and at each global re-rank the head's prior can be blended with observed attention:
+the observation window's at prefill (the last `window` queries of the prompt, as SnapKV reads
+it), the attention the kept entries received since the last re-rank at a re-rank (`blend` in
+[0, 1]; 0 = prior only). Both are turned into per-head standard scores first, so that neither
+scale dominates, then combined by `blend_mode`:
+
+- "mix": `(1 - blend) * z_prior + blend * z_observed`, a weighted average;
+- "max": `max((1 - blend) * z_prior, blend * z_observed)`, a union: a token is kept when either
+  signal ranks it high (a needle the head flags that the window does not look at, or a token
+  the window attends to that the head rates low). An average would drop both kinds.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparsekv.policies.base import Policy, ScoreContext, register
+from sparsekv.policies.base import Policy, ScoreContext, check_kernel_size, max_pool_seq, register
+
+BLEND_MODES = ("mix", "max")
 
 
 def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,12 +41,19 @@ class LearnedPolicy(Policy):
 
     needs_hidden_states = True
 
-    def __init__(self, adapter, blend: float = 0.0, window: int = 32, recency: float | None = None):
+    def __init__(self, adapter, blend: float = 0.0, window: int = 32, recency: float | None = None,
+                 blend_mode: str = "mix", kernel_size: int | None = None):
         """`adapter`: a `ScorerAdapter`, a folder or Hub id to load one from, or any object with
         `score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`.
-        `recency`: None = the adapter's own (`adapter.config.recency`, else 0)."""
+        `recency`, `kernel_size`: None = the adapter's own (`adapter.config`), else 0 and 1.
+        `kernel_size` (odd): the head's scores of the tokens entering together (a prefill chunk)
+        are max-pooled over that many neighbours, as SnapKV pools attention, so that a number
+        split into digit tokens is kept or dropped as a whole; the prefill window attention used
+        by blending is pooled the same way."""
         if isinstance(blend, bool) or not isinstance(blend, (int, float)) or not (0.0 <= blend <= 1.0):
             raise ValueError(f"blend={blend!r} must be in [0, 1]")
+        if blend_mode not in BLEND_MODES:
+            raise ValueError(f"blend_mode={blend_mode!r} is not supported; allowed values: {', '.join(BLEND_MODES)}")
         if isinstance(adapter, str):
             from sparsekv.adapter import ScorerAdapter
 
@@ -46,9 +62,13 @@ class LearnedPolicy(Policy):
             recency = getattr(getattr(adapter, "config", None), "recency", 0.0)
         if isinstance(recency, bool) or not isinstance(recency, (int, float)) or not (0.0 <= recency < float("inf")):
             raise ValueError(f"recency={recency!r} must be a finite number >= 0")
+        if kernel_size is None:
+            kernel_size = getattr(getattr(adapter, "config", None), "kernel_size", 1)
         self.adapter = adapter
+        self.kernel_size = check_kernel_size(kernel_size)
         self.recency = float(recency)
         self.blend = float(blend)
+        self.blend_mode = blend_mode
         self.window = window
         # With blending on, the cache tracks the attention kept entries receive (observed) and
         # also hands over the prompt's observation-window attention at prefill.
@@ -59,6 +79,7 @@ class LearnedPolicy(Policy):
         out = ctx.carry()
         if ctx.num_new:
             new = self.adapter.score_layer(ctx.layer_idx, ctx.hidden_states).to(out.dtype)  # (b, kv_heads, new)
+            new = max_pool_seq(new, self.kernel_size)
             if self.recency:
                 pos = ctx.positions[..., -ctx.num_new :].to(out.dtype)
                 new = new + self.recency / 1000.0 * pos
@@ -69,8 +90,11 @@ class LearnedPolicy(Policy):
                 # Mix standard scores, then map back onto the prior's scale so that tokens
                 # scored later by the head alone stay comparable with the blended ones.
                 mean, std = _moments(out)
+                if ctx.phase == "prefill":
+                    obs = max_pool_seq(obs.float(), self.kernel_size)
                 seen = torch.log(obs.float().clamp_min(1e-9))
                 seen_mean, seen_std = _moments(seen)
-                z = (1 - self.blend) * (out - mean) / std + self.blend * (seen - seen_mean) / seen_std
+                prior, observed = (1 - self.blend) * (out - mean) / std, self.blend * (seen - seen_mean) / seen_std
+                z = torch.maximum(prior, observed) if self.blend_mode == "max" else prior + observed
                 return torch.where(torch.isfinite(out), mean + std * z, out)
         return out
