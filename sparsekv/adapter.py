@@ -51,6 +51,8 @@ CONFIG_NAME = "adapter_config.json"
 CARD_NAME = "README.md"
 ADAPTER_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 FORMAT_VERSION = 1
+POLICY_DEFAULTS = ("recency", "kernel_size", "blend", "blend_mode")
+"""AdapterConfig fields that are the learned policy's defaults (they do not change training)."""
 
 
 def _version() -> str:
@@ -88,6 +90,10 @@ class AdapterConfig:
     kernel_size: int = 1
     """Max-pooling width (odd) the learned policy applies to the head's scores of tokens that
     enter the cache together, so a needle split into several tokens survives whole. 1 = none."""
+    blend: float = 0.0
+    """The learned policy's default weight of observed attention (see `blend_mode`), in [0, 1]."""
+    blend_mode: str = "mix"
+    """How the learned policy combines the head's prior with observed attention: "mix" or "max"."""
     sparsekv_version: str = field(default_factory=_version)
     training_config: dict[str, Any] | None = None
     """The resolved training config, when the adapter was trained with `train.py`."""
@@ -129,6 +135,12 @@ class AdapterConfig:
         k = self.kernel_size
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
             raise ValueError(f"kernel_size={k!r} must be an odd int >= 1")
+        b = self.blend
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b <= 1.0:
+            raise ValueError(f"blend={b!r} must be a number in [0, 1]")
+        self.blend = float(b)
+        if self.blend_mode not in ("mix", "max"):
+            raise ValueError(f"blend_mode={self.blend_mode!r} is not supported; allowed values: mix, max")
         if self.training_config is not None and not isinstance(self.training_config, dict):
             raise ValueError("training_config must be a dict or None")
         if self.eval_table is not None and not isinstance(self.eval_table, str):
@@ -225,8 +237,14 @@ class ScorerAdapter:
         hidden: int = 64,
         target: TargetConfig | None = None,
         base_model_id: str | None = None,
+        **policy_defaults: Any,
     ) -> ScorerAdapter:
-        """A fresh, untrained adapter for `model` (default layers: its full-attention layers)."""
+        """A fresh, untrained adapter for `model` (default layers: its full-attention layers).
+        `policy_defaults` (recency, kernel_size, blend, blend_mode) are the learned policy's
+        defaults recorded in the config."""
+        bad = sorted(set(policy_defaults) - set(POLICY_DEFAULTS))
+        if bad:
+            raise ValueError(f"unknown policy default(s) {bad}; allowed: {', '.join(POLICY_DEFAULTS)}")
         shape = model_shape(model)
         layers = list(default_layers(model) if layers is None else layers)
         config = AdapterConfig(
@@ -240,6 +258,7 @@ class ScorerAdapter:
             kind=kind,
             hidden=hidden,
             target=(TargetConfig() if target is None else target).to_dict(),
+            **policy_defaults,
         )
         head = GatingHead(
             shape.hidden_size, shape.num_kv_heads, config.layers, kind=kind, hidden=hidden
@@ -464,11 +483,12 @@ class ScorerAdapter:
         with torch.no_grad():
             return self.head.forward_layer(layer_idx, hidden_states)
 
-    def policy(self, blend: float = 0.0, **kwargs):
-        """The "learned" policy backed by this adapter (`blend` > 0 mixes in observed attention)."""
+    def policy(self, **kwargs):
+        """The "learned" policy backed by this adapter; unset arguments (blend, blend_mode,
+        recency, kernel_size) take the defaults recorded in `config`."""
         from sparsekv import policies
 
-        return policies.get("learned", adapter=self, blend=blend, **kwargs)
+        return policies.get("learned", adapter=self, **kwargs)
 
     @contextmanager
     def attach(
@@ -477,11 +497,12 @@ class ScorerAdapter:
         budget: float = 0.3,
         schedule: str | list[float] = "pyramid",
         rerank_every: int = 16,
-        blend: float = 0.0,
+        blend: float | None = None,
         **eviction_kwargs: Any,
     ) -> Iterator[Attachment]:
         """Inside the `with` block, plain `model.generate(...)` runs with a fresh
-        `SparseKVCache(model, EvictionConfig(budget=..., ...), self.policy(blend))` per call
+        `SparseKVCache(model, EvictionConfig(budget=..., ...), self.policy(blend=blend))` per call
+        (`blend` None: the adapter's recorded default)
         (closed after the call). A call that passes its own `cache=` (or `past_key_values=`) is
         left alone. On exit `model.generate` and the model's attention implementation are
         restored, also after an error. Yields an `Attachment` (its `last_cache` is the most recent
@@ -493,7 +514,7 @@ class ScorerAdapter:
         config = EvictionConfig(
             budget=budget, schedule=schedule, rerank_every=rerank_every, **eviction_kwargs
         )
-        policy = self.policy(blend)
+        policy = self.policy() if blend is None else self.policy(blend=blend)
         attachment = Attachment(model=model, config=config, policy=policy)
         had_own = "generate" in vars(model)
         own = vars(model).get("generate")

@@ -169,9 +169,14 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(smoke_run, full_run, tm
 
     out = tmp_path / "resumed"
     shutil.copytree(smoke_run[0], out)
-    summary = run_inprocess(["max_steps=6", *common(out, corpus)])
+    # the learned policy's defaults may change on resume: they do not touch training
+    summary = run_inprocess(["max_steps=6", "inference.recency=1.5", "inference.kernel_size=5", *common(out, corpus)])
     assert summary["step"] == 6
     assert losses(out) == losses(full_run)  # per step, bit for bit
+    from sparsekv.adapter import ScorerAdapter
+
+    final = ScorerAdapter.from_pretrained(out / "final").config
+    assert (final.recency, final.kernel_size) == (1.5, 5)
     assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
     assert ckpt.latest(out).name == "step-0006"
 
@@ -265,6 +270,10 @@ def test_two_process_cpu_run_trains_and_writes_one_checkpoint(tmp_path, corpus):
         ("loss.budget=2", ["loss: budget=2 must be a fraction in (0, 1]"]),
         ("push_to_hub=nope", ["push_to_hub='nope' must be a repo id"]),
         ("maxsteps", ["must look like key=value"]),
+        ("inference.kernel_size=4", ["inference.kernel_size=4 must be an odd int >= 1"]),
+        ("inference.recency=-1", ["inference.recency=-1 must be a finite number >= 0"]),
+        ("inference.blend_mode=union", ["inference.blend_mode='union' is not supported; allowed values: mix, max"]),
+        ("inference.window=8", ["inference has unknown key(s) ['window']"]),
     ],
 )
 def test_bad_override_gives_a_clear_error(override, words, capsys):

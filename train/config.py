@@ -67,6 +67,11 @@ class TrainConfig:
     """Teacher target definition: fields of sparsekv.teacher.TargetConfig (empty = defaults)."""
     loss: dict = field(default_factory=dict)
     """Loss weights: fields of sparsekv.losses.LossConfig (empty = defaults)."""
+    inference: dict = field(default_factory=dict)
+    """The learned policy's defaults written into the adapter: `recency` (log-score bonus per
+    1,000 positions, >= 0), `kernel_size` (odd max-pooling width of the head's scores), `blend`
+    (weight of observed attention, [0, 1]) and `blend_mode` (mix or max); see
+    sparsekv.adapter.AdapterConfig. They do not change training."""
     teacher_block_size: int = 512
     """Queries per block when the teacher statistics are computed (memory O(block x seq))."""
     # ------------------------------------------------------------------ data
@@ -170,6 +175,7 @@ class TrainConfig:
         """Build the nested configs once so that their own validation runs now."""
         self.target_config()
         self.loss_config()
+        self.inference_kwargs()
         if self.build:
             self.build_config()
 
@@ -177,6 +183,22 @@ class TrainConfig:
         from sparsekv.teacher import TargetConfig
 
         return _nested("target", TargetConfig, self.target)
+
+    def inference_kwargs(self) -> dict[str, Any]:
+        """`inference` checked against the adapter's policy defaults (AdapterConfig fields)."""
+        from sparsekv.adapter import POLICY_DEFAULTS, AdapterConfig
+
+        if not isinstance(self.inference, dict):
+            raise ValueError(f"inference={self.inference!r} must be a mapping with keys {', '.join(POLICY_DEFAULTS)}")
+        bad = sorted(set(self.inference) - set(POLICY_DEFAULTS))
+        if bad:
+            raise ValueError(f"inference has unknown key(s) {bad}; allowed: {', '.join(POLICY_DEFAULTS)}")
+        try:
+            AdapterConfig(model_type="check", num_layers=1, num_kv_heads=1, head_dim=1, hidden_size=1,
+                          layers=[0], **self.inference)
+        except ValueError as e:
+            raise ValueError(f"inference.{e}") from None
+        return dict(self.inference)
 
     def loss_config(self):
         from sparsekv.losses import LossConfig
@@ -309,8 +331,8 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
             raise ValueError(f"override {item!r} must look like key=value (e.g. max_steps=50)")
         head, dot, sub = key.partition(".")
         if dot:
-            if head not in ("target", "loss", "build"):
-                raise ValueError(f"override {item!r}: only target., loss. and build. take sub-keys")
+            if head not in ("target", "loss", "build", "inference"):
+                raise ValueError(f"override {item!r}: only target., loss., build. and inference. take sub-keys")
             d.setdefault(head, {})
             d[head] = {**(d[head] or {}), sub: parse_value(raw)}
         else:

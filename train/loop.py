@@ -47,7 +47,7 @@ python train.py --config configs/train/<name>.yaml [key=value ...] [--push_to_hu
 accelerate launch [--config_file configs/accelerate/<name>.yaml] train.py --config ... [key=value ...]
 
 Overrides: any config key (max_steps=50 output_dir=checkpoints/x seed=1 resume=never) and nested
-target./loss./build. keys (loss.kl_weight=0.5). Values are read as YAML (null = None)."""
+target./loss./build./inference. keys (loss.kl_weight=0.5). Values are read as YAML (null = None)."""
 
 
 # ---------------------------------------------------------------------- command line
@@ -271,12 +271,14 @@ def build_adapter(cfg: TrainConfig, model: nn.Module, base_id: str):
         hidden=cfg.head_hidden,
         target=cfg.target_config(),
         base_model_id=base_id,
+        **cfg.inference_kwargs(),
     )
 
 
 # Keys that may change between a run and its resumption without changing what it computes.
 RESUME_FREE_KEYS = {
     "max_steps",
+    "inference",
     "resume",
     "push_to_hub",
     "hub_private",
@@ -570,6 +572,8 @@ class Trainer:
             "last_metrics": self.metrics.last() if acc.is_main_process else {},
         }
         if acc.is_main_process:
+            for k, v in cfg.inference_kwargs().items():  # may change on resume: not a training key
+                setattr(adapter.config, k, v)
             adapter.config.training_config = {
                 "config": cfg.to_dict(),
                 "result": {

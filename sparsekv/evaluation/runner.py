@@ -80,13 +80,14 @@ class Reference:
 
 
 def build_samples(cfg: EvalConfig, codec: Codec) -> list[Sample]:
-    """Every sample of the grid, in order task -> length -> index (deterministic)."""
+    """Every sample of the grid, in order index -> task -> length (deterministic): a run stopped
+    early (or resumed later) has covered every task equally far."""
     out = []
-    for task in cfg.tasks:
-        opts = dict(cfg.task_options.get(task, {}))
-        max_new = opts.pop("max_new_tokens", None)
-        for length in cfg.lengths:
-            for i in range(cfg.samples):
+    for i in range(cfg.samples):
+        for task in cfg.tasks:
+            opts = dict(cfg.task_options.get(task, {}))
+            max_new = opts.pop("max_new_tokens", None)
+            for length in cfg.lengths:
                 s = make_sample(task, codec, length, i, seed=cfg.seed, **opts)
                 if max_new is not None:
                     s.max_new_tokens = int(max_new)

@@ -41,29 +41,35 @@ class LearnedPolicy(Policy):
 
     needs_hidden_states = True
 
-    def __init__(self, adapter, blend: float = 0.0, window: int = 32, recency: float | None = None,
-                 blend_mode: str = "mix", kernel_size: int | None = None):
+    def __init__(self, adapter, blend: float | None = None, window: int = 32, recency: float | None = None,
+                 blend_mode: str | None = None, kernel_size: int | None = None):
         """`adapter`: a `ScorerAdapter`, a folder or Hub id to load one from, or any object with
         `score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`.
-        `recency`, `kernel_size`: None = the adapter's own (`adapter.config`), else 0 and 1.
+        `blend`, `blend_mode`, `recency`, `kernel_size`: None = the adapter's recorded default
+        (`adapter.config`), else 0, "mix", 0 and 1.
         `kernel_size` (odd): the head's scores of the tokens entering together (a prefill chunk)
         are max-pooled over that many neighbours, as SnapKV pools attention, so that a number
         split into digit tokens is kept or dropped as a whole; the prefill window attention used
         by blending is pooled the same way."""
-        if isinstance(blend, bool) or not isinstance(blend, (int, float)) or not (0.0 <= blend <= 1.0):
-            raise ValueError(f"blend={blend!r} must be in [0, 1]")
-        if blend_mode not in BLEND_MODES:
-            raise ValueError(f"blend_mode={blend_mode!r} is not supported; allowed values: {', '.join(BLEND_MODES)}")
         if isinstance(adapter, str):
             from sparsekv.adapter import ScorerAdapter
 
             adapter = ScorerAdapter.from_pretrained(adapter)
+        recorded = getattr(adapter, "config", None)
+        if blend is None:
+            blend = getattr(recorded, "blend", 0.0)
+        if blend_mode is None:
+            blend_mode = getattr(recorded, "blend_mode", "mix")
+        if isinstance(blend, bool) or not isinstance(blend, (int, float)) or not (0.0 <= blend <= 1.0):
+            raise ValueError(f"blend={blend!r} must be in [0, 1]")
+        if blend_mode not in BLEND_MODES:
+            raise ValueError(f"blend_mode={blend_mode!r} is not supported; allowed values: {', '.join(BLEND_MODES)}")
         if recency is None:
-            recency = getattr(getattr(adapter, "config", None), "recency", 0.0)
+            recency = getattr(recorded, "recency", 0.0)
         if isinstance(recency, bool) or not isinstance(recency, (int, float)) or not (0.0 <= recency < float("inf")):
             raise ValueError(f"recency={recency!r} must be a finite number >= 0")
         if kernel_size is None:
-            kernel_size = getattr(getattr(adapter, "config", None), "kernel_size", 1)
+            kernel_size = getattr(recorded, "kernel_size", 1)
         self.adapter = adapter
         self.kernel_size = check_kernel_size(kernel_size)
         self.recency = float(recency)
