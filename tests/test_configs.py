@@ -92,3 +92,22 @@ def test_every_train_config_field_is_documented():
     docs = field_docs(TrainConfig)
     missing = [f.name for f in fields(TrainConfig) if not docs.get(f.name)]
     assert not missing
+
+
+def test_default_pipeline_evaluates_the_adapters_it_trains():
+    """eval/run_default.py swaps the shipped adapters of learned-4k.yaml for the new ones."""
+    import importlib.util
+
+    from sparsekv.evaluation.config import EvalConfig
+
+    spec = importlib.util.spec_from_file_location("run_default", ROOT / "eval" / "run_default.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    d = mod.eval_config("checkpoints/new/final", "checkpoints/new-perlayer/final", 3, "results/p")
+    cfg = EvalConfig.from_dict(d)
+    learned = [p for p in cfg.policy_specs if p.name.startswith("learned:")]
+    assert learned and cfg.samples == 3 and cfg.out == "results/p"
+    assert {p.name for p in learned} == {"learned:checkpoints/new/final", "learned:checkpoints/new-perlayer/final"}
+    assert [p.label for p in learned if p.name.endswith("perlayer/final")] == ["learned, per-layer target"]
+    shipped = EvalConfig.from_yaml(ROOT / "configs" / "eval" / "learned-4k.yaml")
+    assert [p.label for p in shipped.policy_specs] == [p.label for p in cfg.policy_specs]
