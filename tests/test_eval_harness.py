@@ -320,3 +320,29 @@ def test_resume_keeps_complete_groups_and_reruns_the_rest(run_dir, tmp_path, cap
     relabel = [a if a != "snapkv,h2o" else "snapkv@window=4@label=snapkv,h2o" for a in GRID]
     assert main(["eval", *relabel, "--resume", "--out", str(out)]) == 2
     assert "label 'snapkv' meant 'snapkv'" in capsys.readouterr().err
+
+
+def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
+    from sparsekv.evaluation.report import _methods, glance, summarize
+
+    def row(task, sid, policy, budget, score, kl):
+        return {"source": "sparsekv", "task": task, "length": 512, "protocol": "agnostic", "sample_id": sid,
+                "policy": policy, "budget": budget, "score": score, "kl": kl, "kv_bytes_compressed": 100}
+
+    rows = []
+    for i in range(2):
+        rows += [row("passkey", f"p{i}", "full", 1.0, 1.0, 0.0), row("multikey", f"m{i}", "full", 1.0, 1.0, 0.0),
+                 row("vartrack", f"v{i}", "full", 1.0, 0.0, 0.0)]
+        rows += [row("passkey", f"p{i}", "a", 0.3, 1.0, 0.1), row("multikey", f"m{i}", "a", 0.3, float(i), 0.5),
+                 row("vartrack", f"v{i}", "a", 0.3, 0.0, 0.2)]
+        rows += [row("passkey", f"p{i}", "b", 0.3, 0.0, 0.3), row("multikey", f"m{i}", "b", 0.3, 0.0, 0.4),
+                 row("vartrack", f"v{i}", "b", 0.3, 0.0, 0.1)]
+    ss = summarize(rows)
+    idx = {(s["source"], s["policy"], s["budget"], s["task"]): s for s in ss}
+    lines = glance(ss, ["passkey", "multikey", "vartrack"], _methods(ss), idx)
+    cells = [[x.strip() for x in ln.strip("|").split("|")] for ln in "\n".join(lines).splitlines() if "@" in ln]
+    table = {c[0]: c[1:] for c in cells}
+    # a: passkey 100%, multikey 50% (vartrack: the full cache scores 0, left out) -> 75%
+    assert table["a @ 0.3"][:3] == ["75%", "0.267", "1/3"]
+    assert table["b @ 0.3"][:3] == ["0%", "0.267", "2/3"]
+    assert "averaged over passkey, multikey" in lines[-2]

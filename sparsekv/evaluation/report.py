@@ -135,6 +135,45 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx: dict) -> list[str]:
+    """Markdown lines of the at-a-glance table of one protocol and length: per method and budget,
+    the retrieval accuracy as a share of the full cache's averaged over the question tasks the
+    full cache answers at all, the mean KL over every task, and in how many tasks that method
+    has the lowest KL of all methods at the same budget."""
+    retrieval = [t for t in tasks if TASKS.get(t) and TASKS[t].kind == "answer"]
+    full = {t: idx.get(("sparsekv", REFERENCE, 1.0, t)) for t in tasks}
+    scored = [t for t in retrieval if full[t] and full[t]["score"] > 0]
+    best: dict[tuple, float] = {}
+    for m in methods:
+        if m[1] == REFERENCE:
+            continue
+        for t in tasks:
+            c = idx.get((*m, t))
+            if c and not math.isnan(c["kl"]):
+                best[(str(m[2]), t)] = min(best.get((str(m[2]), t), float("inf")), c["kl"])
+    rows = []
+    for m in methods:
+        if m[1] == REFERENCE:
+            continue
+        cells = {t: idx.get((*m, t)) for t in tasks}
+        fracs = [cells[t]["score_frac"] for t in scored if cells[t] and not math.isnan(cells[t]["score_frac"])]
+        kls = [c["kl"] for c in cells.values() if c and not math.isnan(c["kl"])]
+        lowest = sum(1 for t, c in cells.items() if c and not math.isnan(c["kl"]) and c["kl"] <= best[(str(m[2]), t)])
+        n = min((c["n"] for c in cells.values() if c), default=0)
+        rows.append([_method(next(c for c in cells.values() if c)),
+                     "-" if not fracs else f"{100 * mean(fracs):.0f}%", _fmt(mean(kls)) if kls else "-",
+                     f"{lowest}/{len(kls)}", str(n)])
+    if not rows:
+        return []
+    note = (f"Retrieval: accuracy as a share of the full cache's, averaged over {', '.join(scored)} "
+            "(the question tasks the full cache answers at least once)" if scored else
+            "Retrieval: - (the full cache answers none of the question tasks here)")
+    return ["At a glance:", "", _table(["method", "retrieval, share of full", "mean KL over tasks",
+                                         "lowest KL at its budget (tasks)", "samples"], rows), "",
+            f"{note}; KL: mean over {', '.join(tasks)}; the lowest-KL count compares every method "
+            "at the same budget, task by task.", ""]
+
+
 def write_markdown(summary: list[dict[str, Any]], path: Path, config: dict[str, Any] | None = None) -> None:
     parts = ["# Evaluation summary", ""]
     if config:
@@ -190,7 +229,9 @@ def write_markdown(summary: list[dict[str, Any]], path: Path, config: dict[str, 
         if any_err:
             q_rows = [r if len(r) > len(tasks) + 3 else [*r, "0"] for r in q_rows]
         heads = [f"{t} ({TASKS[t].metric})" if t in TASKS else t for t in tasks]
-        parts += [f"## Protocol: {protocol}, {length} tokens", "", "Quality (fraction of the full cache's):", ""]
+        parts += [f"## Protocol: {protocol}, {length} tokens", ""]
+        parts += glance(ss, tasks, methods, idx)
+        parts += ["Quality (fraction of the full cache's):", ""]
         parts += [_table(["method", *heads, "KV MiB", "KV vs full"] + (["errors"] if any_err else []), q_rows), ""]
         parts += ["KL divergence from the full cache (nats):", "", _table(["method", *tasks], kl_rows), ""]
         parts += ["Cost (mean over tasks):", ""]
