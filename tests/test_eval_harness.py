@@ -346,3 +346,21 @@ def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
     assert table["a @ 0.3"][:3] == ["75%", "0.267", "1/3"]
     assert table["b @ 0.3"][:3] == ["0%", "0.267", "2/3"]
     assert "averaged over passkey, multikey" in lines[-2]
+
+
+def test_report_only_folds_in_the_finished_groups_of_a_stopped_run(run_dir, tmp_path):
+    import shutil
+
+    out = tmp_path / "stopped"
+    out.mkdir()
+    for name in ("config.yaml", "prompts.jsonl"):
+        shutil.copy(run_dir / name, out / name)
+    rows = _rows(run_dir)
+    cut = next(i for i, r in enumerate(rows) if r["sample_id"].endswith("-1") and r["task"] == "ppl")
+    lines = [json.dumps(r) for r in rows[: cut + 1]]  # the last group has its reference row only
+    (out / "results.part-0.jsonl").write_text("\n".join(lines[::2]) + "\n")
+    (out / "results.part-1.jsonl").write_text("\n".join(lines[1::2]) + "\n")
+    assert main(["eval", "--out", str(out), "--report-only"]) == 0
+    kept = _rows(out)
+    assert not list(out.glob("results.part-*")) and (out / "summary.md").is_file()
+    assert sorted(map(_key, kept)) == sorted(map(_key, rows[:cut]))

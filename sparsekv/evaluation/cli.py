@@ -61,7 +61,8 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--ingest", metavar="ROWS.jsonl",
                    help="add result rows produced elsewhere (same row format) to --out and rewrite the reports")
     p.add_argument("--source", help="with --ingest: the name of the rows' producer (e.g. kvpress)")
-    p.add_argument("--report-only", action="store_true", help="rewrite the summary and plots of --out")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite the summary and plots of --out (folding in what a stopped run finished)")
     p.add_argument("--list", action="store_true", help="list tasks and policies, then exit")
     p.set_defaults(func=run_eval_command)
     return p
@@ -159,6 +160,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
         else:
             from sparsekv.evaluation.report import write_reports
 
+            kept, dropped = runner.merge_parts(out)
+            if kept or dropped:
+                print(f"merged the part files of a stopped run: {kept} finished groups kept, {dropped} unfinished dropped")
             write_reports(out)
         print(f"wrote {out / 'summary.md'}, {out / 'summary.csv'} and plots")
         return 0

@@ -493,6 +493,28 @@ def _completed_rows(rows: list[dict], cfg: EvalConfig) -> tuple[list[dict], set[
     return keep, done
 
 
+def merge_parts(out: str | Path) -> tuple[int, int]:
+    """Fold the part files a stopped run left in `out` into results.jsonl: the complete
+    (sample, protocol) groups are kept, the incomplete ones dropped (a later `resume` reruns
+    them). Returns (groups kept, groups dropped); the grid is read from `out`/config.yaml."""
+    out = Path(out)
+    parts = sorted(out.glob("results.part-*.jsonl"))
+    if not parts:
+        return 0, 0
+    saved = yaml.safe_load((out / "config.yaml").read_text()) or {}
+    fields_ = {f for f in EvalConfig.__dataclass_fields__}
+    cfg = EvalConfig.from_dict({k: v for k, v in saved.items() if k in fields_})
+    results = out / "results.jsonl"
+    old = read_rows(results) if results.exists() else []
+    new = [r for p in parts for r in read_rows(p)]
+    keep, done = _completed_rows(old + new, cfg)
+    groups = {(r["sample_id"], r["protocol"]) for r in new}
+    _write_rows_atomic(results, keep)
+    for p in parts:
+        p.unlink()
+    return len(groups & done), len(groups - done)
+
+
 def _write_rows_atomic(path: Path, rows: list[dict]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -604,11 +626,22 @@ def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: 
                 pr.start()
                 procs.append((pr, part))
         seen = 0
-        while any(pr.is_alive() for pr, _ in procs):
-            time.sleep(1.0)
-            n = sum(_line_count(part) for _, part in procs)
-            bar.update(n - seen)
-            seen = n
+        try:
+            while any(pr.is_alive() for pr, _ in procs):
+                time.sleep(1.0)
+                n = sum(_line_count(part) for _, part in procs)
+                bar.update(n - seen)
+                seen = n
+        except KeyboardInterrupt:
+            for pr, _ in procs:
+                pr.terminate()
+            for pr, _ in procs:
+                pr.join()
+            bar.close()
+            kept, dropped = merge_parts(out)
+            print(f"stopped: {kept} finished groups saved to {results}, {dropped} unfinished dropped; "
+                  "rerun with --resume to continue", file=sys.stderr)
+            raise
         bar.update(sum(_line_count(part) for _, part in procs) - seen)
         failed = [pr.exitcode for pr, _ in procs if pr.exitcode != 0]
         if failed:
