@@ -51,7 +51,7 @@ CONFIG_NAME = "adapter_config.json"
 CARD_NAME = "README.md"
 ADAPTER_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 FORMAT_VERSION = 1
-POLICY_DEFAULTS = ("recency", "kernel_size", "blend", "blend_mode")
+POLICY_DEFAULTS = ("recency", "kernel_size", "blend", "blend_mode", "head_layer")
 """AdapterConfig fields that are the learned policy's defaults (they do not change training)."""
 
 
@@ -94,6 +94,10 @@ class AdapterConfig:
     """The learned policy's default weight of observed attention (see `blend_mode`), in [0, 1]."""
     blend_mode: str = "mix"
     """How the learned policy combines the head's prior with observed attention: "mix" or "max"."""
+    head_layer: str = "own"
+    """Which head scores each budgeted layer in the learned policy: "own" (its own module on its
+    own attention inputs) or "first" (the first budgeted layer's module, once per token, shared
+    by all budgeted layers)."""
     sparsekv_version: str = field(default_factory=_version)
     training_config: dict[str, Any] | None = None
     """The resolved training config, when the adapter was trained with `train.py`."""
@@ -141,6 +145,8 @@ class AdapterConfig:
         self.blend = float(b)
         if self.blend_mode not in ("mix", "max"):
             raise ValueError(f"blend_mode={self.blend_mode!r} is not supported; allowed values: mix, max")
+        if self.head_layer not in ("own", "first"):
+            raise ValueError(f"head_layer={self.head_layer!r} is not supported; allowed values: own, first")
         if self.training_config is not None and not isinstance(self.training_config, dict):
             raise ValueError("training_config must be a dict or None")
         if self.eval_table is not None and not isinstance(self.eval_table, str):
@@ -240,7 +246,7 @@ class ScorerAdapter:
         **policy_defaults: Any,
     ) -> ScorerAdapter:
         """A fresh, untrained adapter for `model` (default layers: its full-attention layers).
-        `policy_defaults` (recency, kernel_size, blend, blend_mode) are the learned policy's
+        `policy_defaults` (recency, kernel_size, blend, blend_mode, head_layer) are the learned policy's
         defaults recorded in the config."""
         bad = sorted(set(policy_defaults) - set(POLICY_DEFAULTS))
         if bad:

@@ -72,6 +72,9 @@ class _Shared:
         self.peak_bytes = 0
         self.record: tuple[str, ...] = ()
         self.record_window = 0
+        # attention inputs of the first budgeted layer for the tokens of the current step, for
+        # policies that score every budgeted layer from them (`Policy.hidden_from_first`)
+        self.first_hidden: torch.Tensor | None = None
 
 
 class EvictingLayer(DynamicLayer):
@@ -264,7 +267,7 @@ class EvictingLayer(DynamicLayer):
             attention=attention,
             observed=self.observed,
             queries=query,
-            hidden_states=self.hidden,
+            hidden_states=self.shared.first_hidden if policy_reads_first(self.shared.policy) else self.hidden,
             budget_rank=self.budget_rank,
             num_budgeted=self.shared.num_budgeted,
         )
@@ -499,6 +502,7 @@ class SparseKVCache(Cache):
     # ---- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
         """Remove the hooks this cache installed on the model."""
+        self.shared.first_hidden = None
         self._finalizer()
 
     def __enter__(self) -> "SparseKVCache":
@@ -537,6 +541,8 @@ class SparseKVCache(Cache):
                 f"recorded {self.shared.record_window}; build it with record_window={policy.window}"
             )
         new = SparseKVCache(self.model, config, policy)
+        if policy_reads_first(policy):
+            new.shared.first_hidden = self.layers[self.budgeted_layers[0]].recorded.get("hidden")
         for i, layer in enumerate(self.layers):
             if isinstance(layer, EvictingLayer):
                 if policy.needs_hidden_states and "hidden" not in layer.recorded:
@@ -545,6 +551,7 @@ class SparseKVCache(Cache):
                 new.layers[i].load_from(layer)
             else:
                 new.layers[i] = copy.copy(layer)  # transformers' layers replace tensors, never mutate them
+        new.shared.first_hidden = None
         return new
 
     def _install_hooks(self, model) -> None:
@@ -553,8 +560,9 @@ class SparseKVCache(Cache):
             modules = attention_modules(model)
             for i in self.budgeted_layers:
                 layer = self.layers[i]
+                first = i == self.budgeted_layers[0]
                 self._hooks.append(
-                    modules[i].register_forward_pre_hook(_capture_hidden(ref, layer), with_kwargs=True)
+                    modules[i].register_forward_pre_hook(_capture_hidden(ref, layer, first), with_kwargs=True)
                 )
         if self.config.prefill_chunk:
             self._hooks.append(model.register_forward_pre_hook(_chunk_prefill(ref), with_kwargs=True))
@@ -566,13 +574,20 @@ def _remove_hooks(hooks: list) -> None:
     hooks.clear()
 
 
-def _capture_hidden(ref, layer: EvictingLayer):
+def _capture_hidden(ref, layer: EvictingLayer, first: bool):
     def hook(module, args, kwargs):
         cache = ref()
         if cache is not None and kwargs.get("cache") is cache:
             layer.hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            if first:  # layers run in order: deeper budgeted layers of this step may read it
+                cache.shared.first_hidden = layer.hidden
 
     return hook
+
+
+def policy_reads_first(policy: Policy) -> bool:
+    """True when `policy` scores every budgeted layer from the first budgeted layer's inputs."""
+    return bool(getattr(policy, "hidden_from_first", False))
 
 
 def _chunk_prefill(ref):

@@ -441,3 +441,36 @@ def test_learned_kernel_size_keeps_the_neighbours_of_a_flagged_token():
     assert set(pooled[0, 0].topk(3).indices.tolist()) == {needle - 1, needle, needle + 1}
     with pytest.raises(ValueError, match="kernel_size"):
         policies.get("learned", adapter=Fixed(), kernel_size=4)
+
+
+def test_learned_head_layer_first_scores_every_layer_from_the_first_layers_inputs():
+    from types import SimpleNamespace
+
+    model = tiny_model("llama")  # 4 layers, all budgeted
+    adapter = _FakeAdapter()
+    adapter.config = SimpleNamespace(layers=[0, 1, 2, 3])
+    cfg = EvictionConfig(budget=0.25, sink_tokens=0, recent_window=0)
+    pol = policies.get("learned", adapter=adapter, head_layer="first")
+    captured = {}
+    hook = model.model.layers[0].input_layernorm.register_forward_hook(lambda m, a, out: captured.setdefault("h", out))
+    cache = SparseKVCache(model, cfg, pol)
+    ids = _ids(1, 64)
+    model(input_ids=ids, cache=cache)
+    hook.remove()
+    assert adapter.calls == [(0, (1, 64, 64))] * 4  # layer 0's head, layer 0's inputs, for all
+    expected = captured["h"][0, :, 0].topk(16).indices.sort().values
+    for i in range(4):
+        assert torch.equal(cache.layers[i].positions[0, 0], expected)
+    # decoding: each new token is scored once per layer from layer 0's input of that token
+    model(input_ids=_ids(1, 1), cache=cache)
+    assert adapter.calls[-4:] == [(0, (1, 1, 64))] * 4
+    # a fork of a recorded prefill keeps what the live prefill kept
+    base = SparseKVCache(model, EvictionConfig(budget=1.0), "full", record=("window",))
+    model(input_ids=ids, cache=base)
+    forked = base.fork(cfg, policies.get("learned", adapter=adapter, head_layer="first"))
+    for i in range(4):
+        assert torch.equal(forked.layers[i].positions[0, 0], expected)
+    for c in (cache, base, forked):
+        c.close()
+    with pytest.raises(ValueError, match="head_layer"):
+        policies.get("learned", adapter=adapter, head_layer="last")

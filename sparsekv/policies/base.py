@@ -13,6 +13,9 @@ The cache computes only the statistics a policy asks for through its class attri
   over the query heads sharing each KV head).
 - `window`: the number of queries for "window" (SnapKV's observation window).
 - `needs_hidden_states`: the layer's attention inputs `(batch, new, hidden)` in `ctx.hidden_states`.
+- `hidden_from_first`: with `needs_hidden_states`, hand every budgeted layer the attention inputs
+  of the *first* budgeted layer for the same tokens instead of its own (one score per token,
+  shared across layers; layers run in order, so they are always available).
 - `tracks_observed`: keep `ctx.observed`, the attention each kept entry received from every query
   since the last re-rank (costs one extra q·K per decode step).
 - `evicts`: False for the full cache.
@@ -80,6 +83,7 @@ class Policy:
     attention_queries: ClassVar[str | None] = None
     window: int = 1
     needs_hidden_states: ClassVar[bool] = False
+    hidden_from_first: bool = False
     tracks_observed: bool = False
     evicts: ClassVar[bool] = True
     schedule: ClassVar[str | None] = None

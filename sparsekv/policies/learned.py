@@ -24,6 +24,7 @@ import torch
 from sparsekv.policies.base import Policy, ScoreContext, check_kernel_size, max_pool_seq, register
 
 BLEND_MODES = ("mix", "max")
+HEAD_LAYERS = ("own", "first")
 
 
 def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,11 +43,14 @@ class LearnedPolicy(Policy):
     needs_hidden_states = True
 
     def __init__(self, adapter, blend: float | None = None, window: int = 32, recency: float | None = None,
-                 blend_mode: str | None = None, kernel_size: int | None = None):
+                 blend_mode: str | None = None, kernel_size: int | None = None, head_layer: str | None = None):
         """`adapter`: a `ScorerAdapter`, a folder or Hub id to load one from, or any object with
         `score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`.
-        `blend`, `blend_mode`, `recency`, `kernel_size`: None = the adapter's recorded default
-        (`adapter.config`), else 0, "mix", 0 and 1.
+        `blend`, `blend_mode`, `recency`, `kernel_size`, `head_layer`: None = the adapter's
+        recorded default (`adapter.config`), else 0, "mix", 0, 1 and "own".
+        `head_layer`: "own" (each budgeted layer's head reads that layer's attention inputs) or
+        "first" (the first budgeted layer's head scores each token once, from that layer's
+        inputs, and every budgeted layer uses that score: one cross-layer importance per token).
         `kernel_size` (odd): the head's scores of the tokens entering together (a prefill chunk)
         are max-pooled over that many neighbours, as SnapKV pools attention, so that a number
         split into digit tokens is kept or dropped as a whole; the prefill window attention used
@@ -68,6 +72,12 @@ class LearnedPolicy(Policy):
             recency = getattr(recorded, "recency", 0.0)
         if isinstance(recency, bool) or not isinstance(recency, (int, float)) or not (0.0 <= recency < float("inf")):
             raise ValueError(f"recency={recency!r} must be a finite number >= 0")
+        if head_layer is None:
+            head_layer = getattr(recorded, "head_layer", "own")
+        if head_layer not in HEAD_LAYERS:
+            raise ValueError(f"head_layer={head_layer!r} is not supported; allowed values: {', '.join(HEAD_LAYERS)}")
+        self.head_layer = head_layer
+        self.hidden_from_first = head_layer == "first"
         if kernel_size is None:
             kernel_size = getattr(recorded, "kernel_size", 1)
         self.adapter = adapter
@@ -81,10 +91,17 @@ class LearnedPolicy(Policy):
         self.tracks_observed = self.blend > 0
         self.attention_queries = "window" if self.blend > 0 else None
 
+    def _first_layer(self) -> int:
+        layers = getattr(getattr(self.adapter, "config", None), "layers", None)
+        if not layers:
+            raise ValueError("head_layer='first' needs an adapter whose config lists its layers")
+        return min(layers)
+
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         out = ctx.carry()
         if ctx.num_new:
-            new = self.adapter.score_layer(ctx.layer_idx, ctx.hidden_states).to(out.dtype)  # (b, kv_heads, new)
+            layer = self._first_layer() if self.hidden_from_first else ctx.layer_idx
+            new = self.adapter.score_layer(layer, ctx.hidden_states).to(out.dtype)  # (b, kv_heads, new)
             new = max_pool_seq(new, self.kernel_size)
             if self.recency:
                 pos = ctx.positions[..., -ctx.num_new :].to(out.dtype)
