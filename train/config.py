@@ -70,8 +70,8 @@ class TrainConfig:
     inference: dict = field(default_factory=dict)
     """The learned policy's defaults written into the adapter: `recency` (log-score bonus per
     1,000 positions, >= 0), `kernel_size` (odd max-pooling width of the head's scores), `blend`
-    (weight of observed attention, [0, 1]) and `blend_mode` (mix or max); see
-    sparsekv.adapter.AdapterConfig. They do not change training."""
+    (weight of observed attention, [0, 1]), `blend_mode` (mix or max) and `head_layer` (own or
+    first); see sparsekv.adapter.AdapterConfig. They do not change training."""
     teacher_block_size: int = 512
     """Queries per block when the teacher statistics are computed (memory O(block x seq))."""
     # ------------------------------------------------------------------ data
