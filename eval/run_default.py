@@ -33,7 +33,7 @@ SHIPPED = "checkpoints/gemma3-270m-sparsekv"
 # idle machine (19 min when other jobs share the cores); evaluation per sample index of
 # learned-4k.yaml with 2 workers.
 TRAIN_MINUTES = 8
-EVAL_MINUTES_PER_SAMPLE = 6
+EVAL_MINUTES_PER_SAMPLE = 7
 
 
 def run(cmds: list[list[str]]) -> None:
