@@ -56,3 +56,39 @@ def test_second_load_is_fast(default_model):
     load_default_model()
     assert time.process_time() - cpu < 5.0
     assert time.perf_counter() - wall < 30.0
+
+
+@pytest.mark.integration
+def test_shipped_adapter_keeps_a_needle_in_every_full_layer(default_model):
+    """The adapter in checkpoints/ loads with its recorded policy defaults and, at 30% of the
+    full layers' KV, keeps every digit of a number planted in prose in all three full layers
+    with the head's prior alone (its first-layer head flags it, one score shared by the layers),
+    nearly all with the default union blend, where SnapKV (no question in its window) does not."""
+    from pathlib import Path
+
+    from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, policies
+    from sparsekv.evaluation.text import corpus
+
+    model, tok = default_model
+    root = Path(__file__).resolve().parents[1]
+    adapter = ScorerAdapter.from_pretrained(root / "checkpoints" / "gemma3-270m-sparsekv")
+    c = adapter.config
+    assert (c.layers, c.head_layer, c.blend_mode, c.kernel_size) == ([5, 11, 17], "first", "max", 5)
+    prose = " ".join(s for d in corpus() for s in d.sentences)[:6000]
+    cut = prose.index(" ", 3000)
+    text = prose[:cut] + " The code for the north gate is 4715902. " + prose[cut:]
+    enc = tok(text, return_tensors="pt", return_offsets_mapping=True)
+    start = text.index("4715902")
+    digits = [i for i, (a, b) in enumerate(enc["offset_mapping"][0].tolist()) if a < start + 7 and b > start]
+    assert len(digits) == 7
+    kept = {}
+    runs = (("learned", adapter.policy()), ("prior", adapter.policy(blend=0.0)), ("snapkv", policies.get("snapkv")))
+    for name, pol in runs:
+        cache = SparseKVCache(model, EvictionConfig(budget=0.3, schedule="pyramid"), pol)
+        with torch.no_grad():
+            model(input_ids=enc["input_ids"], cache=cache)
+        kept[name] = [len(set(digits) & set(cache.layers[i].positions[0, 0].tolist())) for i in (5, 11, 17)]
+        cache.close()
+    assert kept["prior"] == [7, 7, 7], kept  # one score per token, shared by the three layers
+    assert min(kept["learned"]) >= 6 and sum(kept["learned"]) > sum(kept["snapkv"]), kept  # + window
+    assert min(kept["snapkv"]) < 7, kept
