@@ -364,3 +364,28 @@ def test_report_only_folds_in_the_finished_groups_of_a_stopped_run(run_dir, tmp_
     kept = _rows(out)
     assert not list(out.glob("results.part-*")) and (out / "summary.md").is_file()
     assert sorted(map(_key, kept)) == sorted(map(_key, rows[:cut]))
+
+
+def test_kill_stops_the_workers_and_keeps_their_finished_groups(tmp_path):
+    """`kill PID` (SIGTERM) on a 2-worker grid: the workers stop, finished groups land in
+    results.jsonl, no part file is left, and --resume completes the grid."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "killed"
+    argv = [a if a != "2" else "30" for a in GRID]  # --samples 30: long enough to interrupt
+    cmd = [sys.executable, "-m", "sparsekv.cli", "eval", *argv, "--workers", "2", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and sum(1 for p in out.glob("results.part-*.jsonl") for _ in open(p)) < 12:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "stopped:" in err, err[-2000:]
+    assert not list(out.glob("results.part-*"))
+    kept = _rows(out)
+    assert kept and len(kept) % 3 == 0  # whole groups only (full + 2 policies each)
+    assert main(["eval", *argv, "--resume", "--out", str(out)]) == 0
+    assert len(_rows(out)) == 30 * (2 * 3 + 3)

@@ -137,8 +137,8 @@ def test_smoke_run_writes_the_exact_checkpoints(smoke_run):
     assert {p.name for p in (out / "final").iterdir()} == adapter_files()
     assert sorted(losses(out)) == [1, 2, 3, 4]
     assert f"done: 4 steps; trainable parameters {TINY_HEAD_PARAMETERS} " in proc.stdout
-    m = re.search(r"wall time ([\d.]+) min \(model loading included\), peak memory \(RSS\) ([\d.]+) GiB", proc.stdout)
-    assert m and 0 < float(m.group(1)) < 30 and 0.05 < float(m.group(2)) < 24, proc.stdout[-500:]
+    m = re.search(r"wall time [\d.]+ min \(([\d.]+) s, model loading included\), peak memory \(RSS\) ([\d.]+) GiB", proc.stdout)
+    assert m and 0 < float(m.group(1)) < 1800 and 0.05 < float(m.group(2)) < 24, proc.stdout[-500:]
 
 
 def test_smoke_run_saves_the_resolved_config_and_a_loadable_adapter(smoke_run):

@@ -601,7 +601,7 @@ class Trainer:
         acc.print(
             f"done: {self.state.step} steps; trainable parameters {n} "
             f"({100 * n / base:.3f}% of the base model's {base}); adapter in {summary['final']}\n"
-            f"wall time {summary['wall_s'] / 60:.1f} min (model loading included), "
+            f"wall time {summary['wall_s'] / 60:.1f} min ({summary['wall_s']:.1f} s, model loading included), "
             f"peak memory (RSS) {summary['peak_rss_mb'] / 1024:.2f} GiB{gpu}"
         )
         return summary

@@ -626,6 +626,12 @@ def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: 
                 pr.start()
                 procs.append((pr, part))
         seen = 0
+        import signal
+
+        def _stop(signum, frame):  # `kill PID` stops as Ctrl-C does (background jobs ignore SIGINT)
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, _stop)
         try:
             while any(pr.is_alive() for pr, _ in procs):
                 time.sleep(1.0)
@@ -642,6 +648,8 @@ def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: 
             print(f"stopped: {kept} finished groups saved to {results}, {dropped} unfinished dropped; "
                   "rerun with --resume to continue", file=sys.stderr)
             raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         bar.update(sum(_line_count(part) for _, part in procs) - seen)
         failed = [pr.exitcode for pr, _ in procs if pr.exitcode != 0]
         if failed:
