@@ -132,21 +132,10 @@ class AdapterConfig:
         if not isinstance(self.target, dict):
             raise ValueError(f"target={self.target!r} must be a TargetConfig dict")
         self.target = TargetConfig.from_dict(self.target).to_dict()  # validates, fills defaults
-        r = self.recency
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r < float("inf")):
-            raise ValueError(f"recency={r!r} must be a finite number >= 0")
-        self.recency = float(r)
-        k = self.kernel_size
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
-            raise ValueError(f"kernel_size={k!r} must be an odd int >= 1")
-        b = self.blend
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b <= 1.0:
-            raise ValueError(f"blend={b!r} must be a number in [0, 1]")
-        self.blend = float(b)
-        if self.blend_mode not in ("mix", "max"):
-            raise ValueError(f"blend_mode={self.blend_mode!r} is not supported; allowed values: mix, max")
-        if self.head_layer not in ("own", "first"):
-            raise ValueError(f"head_layer={self.head_layer!r} is not supported; allowed values: own, first")
+        from sparsekv.policies.learned import check_settings
+
+        for k, v in check_settings(**{k: getattr(self, k) for k in POLICY_DEFAULTS}).items():
+            setattr(self, k, v)
         if self.training_config is not None and not isinstance(self.training_config, dict):
             raise ValueError("training_config must be a dict or None")
         if self.eval_table is not None and not isinstance(self.eval_table, str):

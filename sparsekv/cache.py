@@ -267,7 +267,7 @@ class EvictingLayer(DynamicLayer):
             attention=attention,
             observed=self.observed,
             queries=query,
-            hidden_states=self.shared.first_hidden if policy_reads_first(self.shared.policy) else self.hidden,
+            hidden_states=self.shared.first_hidden if self.shared.policy.hidden_from_first else self.hidden,
             budget_rank=self.budget_rank,
             num_budgeted=self.shared.num_budgeted,
         )
@@ -541,7 +541,7 @@ class SparseKVCache(Cache):
                 f"recorded {self.shared.record_window}; build it with record_window={policy.window}"
             )
         new = SparseKVCache(self.model, config, policy)
-        if policy_reads_first(policy):
+        if policy.hidden_from_first:
             new.shared.first_hidden = self.layers[self.budgeted_layers[0]].recorded.get("hidden")
         for i, layer in enumerate(self.layers):
             if isinstance(layer, EvictingLayer):
@@ -583,11 +583,6 @@ def _capture_hidden(ref, layer: EvictingLayer, first: bool):
                 cache.shared.first_hidden = layer.hidden
 
     return hook
-
-
-def policy_reads_first(policy: Policy) -> bool:
-    """True when `policy` scores every budgeted layer from the first budgeted layer's inputs."""
-    return bool(getattr(policy, "hidden_from_first", False))
 
 
 def _chunk_prefill(ref):

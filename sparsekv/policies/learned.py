@@ -27,6 +27,21 @@ BLEND_MODES = ("mix", "max")
 HEAD_LAYERS = ("own", "first")
 
 
+def check_settings(blend, blend_mode, recency, kernel_size, head_layer) -> dict:
+    """The learned policy's settings checked (shared by the policy and `AdapterConfig`, which
+    records them as an adapter's defaults); returns them normalized."""
+    if isinstance(blend, bool) or not isinstance(blend, (int, float)) or not (0.0 <= blend <= 1.0):
+        raise ValueError(f"blend={blend!r} must be a number in [0, 1]")
+    if blend_mode not in BLEND_MODES:
+        raise ValueError(f"blend_mode={blend_mode!r} is not supported; allowed values: {', '.join(BLEND_MODES)}")
+    if isinstance(recency, bool) or not isinstance(recency, (int, float)) or not (0.0 <= recency < float("inf")):
+        raise ValueError(f"recency={recency!r} must be a finite number >= 0")
+    if head_layer not in HEAD_LAYERS:
+        raise ValueError(f"head_layer={head_layer!r} is not supported; allowed values: {', '.join(HEAD_LAYERS)}")
+    return {"blend": float(blend), "blend_mode": blend_mode, "recency": float(recency),
+            "kernel_size": check_kernel_size(kernel_size), "head_layer": head_layer}
+
+
 def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head mean and standard deviation over the finite entries of `(batch, heads, seq)`."""
     finite = torch.isfinite(x)
@@ -60,38 +75,24 @@ class LearnedPolicy(Policy):
 
             adapter = ScorerAdapter.from_pretrained(adapter)
         recorded = getattr(adapter, "config", None)
-        if blend is None:
-            blend = getattr(recorded, "blend", 0.0)
-        if blend_mode is None:
-            blend_mode = getattr(recorded, "blend_mode", "mix")
-        if isinstance(blend, bool) or not isinstance(blend, (int, float)) or not (0.0 <= blend <= 1.0):
-            raise ValueError(f"blend={blend!r} must be in [0, 1]")
-        if blend_mode not in BLEND_MODES:
-            raise ValueError(f"blend_mode={blend_mode!r} is not supported; allowed values: {', '.join(BLEND_MODES)}")
-        if recency is None:
-            recency = getattr(recorded, "recency", 0.0)
-        if isinstance(recency, bool) or not isinstance(recency, (int, float)) or not (0.0 <= recency < float("inf")):
-            raise ValueError(f"recency={recency!r} must be a finite number >= 0")
-        if head_layer is None:
-            head_layer = getattr(recorded, "head_layer", "own")
-        if head_layer not in HEAD_LAYERS:
-            raise ValueError(f"head_layer={head_layer!r} is not supported; allowed values: {', '.join(HEAD_LAYERS)}")
-        self.head_layer = head_layer
-        self.hidden_from_first = head_layer == "first"
-        if kernel_size is None:
-            kernel_size = getattr(recorded, "kernel_size", 1)
+        given = {"blend": blend, "blend_mode": blend_mode, "recency": recency, "kernel_size": kernel_size,
+                 "head_layer": head_layer}
+        fallback = {"blend": 0.0, "blend_mode": "mix", "recency": 0.0, "kernel_size": 1, "head_layer": "own"}
+        settings = check_settings(**{k: getattr(recorded, k, fallback[k]) if v is None else v for k, v in given.items()})
         self.adapter = adapter
-        self.kernel_size = check_kernel_size(kernel_size)
-        self.recency = float(recency)
-        self.blend = float(blend)
-        self.blend_mode = blend_mode
+        self.blend, self.blend_mode = settings["blend"], settings["blend_mode"]
+        self.recency, self.kernel_size = settings["recency"], settings["kernel_size"]
+        self.head_layer = settings["head_layer"]
+        self.hidden_from_first = self.head_layer == "first"
+        # the head that scores the tokens of a budgeted layer: its own, or the first layer's
+        self._first_layer = self._adapter_first_layer() if self.hidden_from_first else None
         self.window = window
         # With blending on, the cache tracks the attention kept entries receive (observed) and
         # also hands over the prompt's observation-window attention at prefill.
         self.tracks_observed = self.blend > 0
         self.attention_queries = "window" if self.blend > 0 else None
 
-    def _first_layer(self) -> int:
+    def _adapter_first_layer(self) -> int:
         layers = getattr(getattr(self.adapter, "config", None), "layers", None)
         if not layers:
             raise ValueError("head_layer='first' needs an adapter whose config lists its layers")
@@ -100,7 +101,7 @@ class LearnedPolicy(Policy):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         out = ctx.carry()
         if ctx.num_new:
-            layer = self._first_layer() if self.hidden_from_first else ctx.layer_idx
+            layer = ctx.layer_idx if self._first_layer is None else self._first_layer
             new = self.adapter.score_layer(layer, ctx.hidden_states).to(out.dtype)  # (b, kv_heads, new)
             new = max_pool_seq(new, self.kernel_size)
             if self.recency:
