@@ -657,10 +657,7 @@ def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: 
             raise RuntimeError(f"{len(failed)} evaluation worker(s) failed (exit codes {failed}); "
                                f"finished groups are kept: rerun with --resume to continue")
     bar.close()
-    new_parts = sorted(out.glob("results.part-*.jsonl"))
-    _write_rows_atomic(results, keep + [r for p in new_parts for r in read_rows(p)])
-    for p in new_parts:
-        p.unlink()
+    merge_parts(out)  # every group is complete here: all rows land in results.jsonl
     if report:
         from sparsekv.evaluation.report import write_reports
 
