@@ -187,15 +187,16 @@ class TrainConfig:
     def inference_kwargs(self) -> dict[str, Any]:
         """`inference` checked against the adapter's policy defaults (AdapterConfig fields)."""
         from sparsekv.adapter import POLICY_DEFAULTS, AdapterConfig
+        from sparsekv.policies.learned import check_settings
 
         if not isinstance(self.inference, dict):
             raise ValueError(f"inference={self.inference!r} must be a mapping with keys {', '.join(POLICY_DEFAULTS)}")
         bad = sorted(set(self.inference) - set(POLICY_DEFAULTS))
         if bad:
             raise ValueError(f"inference has unknown key(s) {bad}; allowed: {', '.join(POLICY_DEFAULTS)}")
+        defaults = {f.name: f.default for f in fields(AdapterConfig) if f.name in POLICY_DEFAULTS}
         try:
-            AdapterConfig(model_type="check", num_layers=1, num_kv_heads=1, head_dim=1, hidden_size=1,
-                          layers=[0], **self.inference)
+            check_settings(**{**defaults, **self.inference})
         except ValueError as e:
             raise ValueError(f"inference.{e}") from None
         return dict(self.inference)
