@@ -108,6 +108,23 @@ def test_default_pipeline_evaluates_the_adapters_it_trains():
     learned = [p for p in cfg.policy_specs if p.name.startswith("learned:")]
     assert learned and cfg.samples == 3 and cfg.out == "results/p"
     assert {p.name for p in learned} == {"learned:checkpoints/new/final", "learned:checkpoints/new-perlayer/final"}
-    assert [p.label for p in learned if p.name.endswith("perlayer/final")] == ["learned, per-layer target"]
+    assert {p.label for p in learned if p.name.endswith("perlayer/final")} == {"learned, per-layer target"}
     shipped = EvalConfig.from_yaml(ROOT / "configs" / "eval" / "learned-4k.yaml")
     assert [p.label for p in shipped.policy_specs] == [p.label for p in cfg.policy_specs]
+
+
+def test_learned_4k_sets_up_learned_and_every_ablation_under_both_protocols():
+    """Agnostic: the head's prior alone (the window holds no question); aware: the adapter's
+    recorded blend; every ablation present under both, changing one thing each."""
+    from sparsekv.evaluation.config import EvalConfig
+
+    cfg = EvalConfig.from_yaml(ROOT / "configs" / "eval" / "learned-4k.yaml")
+    under = {pr: {p.label: p for p in cfg.policy_specs if p.runs_under(pr)} for pr in ("agnostic", "aware")}
+    assert set(under["agnostic"]) - {"learned, window blend"} == set(under["aware"]) - {"learned, prior only"}
+    assert under["agnostic"]["learned"].policy_kwargs == {"blend": 0.0}
+    assert under["aware"]["learned"].policy_kwargs == {}
+    assert under["aware"]["learned, prior only"].policy_kwargs == {"blend": 0.0}
+    assert under["agnostic"]["learned, window blend"].policy_kwargs == {}
+    for label, spec in under["agnostic"].items():
+        if label.startswith("learned, ") and label != "learned, window blend":
+            assert spec.policy_kwargs.get("blend") == 0.0, label

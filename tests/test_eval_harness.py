@@ -223,7 +223,48 @@ def test_policy_spec_syntax():
     assert [cfg.budgets_of(p) for p in cfg.policy_specs] == [[0.1, 0.3], [0.3]]
     from sparsekv.evaluation.runner import _method_keys
 
-    assert _method_keys(cfg) == {("full", "1.0"), ("snapkv", "0.1"), ("snapkv", "0.3"), ("h2o-r4", "0.3")}
+    assert _method_keys(cfg, "agnostic") == {("full", "1.0"), ("snapkv", "0.1"), ("snapkv", "0.3"), ("h2o-r4", "0.3")}
+
+
+def test_per_method_protocols_parse_and_share_a_label_across_protocols():
+    from sparsekv.evaluation.runner import _method_keys, grid_size
+
+    assert parse_policy("snapkv@protocols=aware").protocols == ("aware",)
+    assert parse_policy({"policy": "h2o", "protocols": ["agnostic", "aware"]}).protocols == ("agnostic", "aware")
+    assert parse_policy("h2o").protocols is None
+    with pytest.raises(ValueError, match="allowed values: agnostic, aware"):
+        parse_policy("snapkv@protocols=blind")
+    # one label, one method per protocol
+    both = ["snapkv@window=8@protocols=agnostic@label=s", "snapkv@window=16@protocols=aware@label=s", "h2o"]
+    cfg = EvalConfig(model="tiny:llama", policies=both, budgets=[0.3], tasks=["passkey", "ppl"], samples=1)
+    assert _method_keys(cfg, "agnostic") == _method_keys(cfg, "aware") == {("full", "1.0"), ("s", "0.3"), ("h2o", "0.3")}
+    assert [cfg.budgets_of(p, "aware") for p in cfg.policy_specs] == [[], [0.3], [0.3]]
+    with pytest.raises(ValueError, match="unique within a protocol.*under aware"):
+        EvalConfig(model="tiny:llama", policies=["snapkv@label=s", "h2o@protocols=aware@label=s"])
+    with pytest.raises(ValueError, match="runs under none of the grid's protocols"):
+        EvalConfig(model="tiny:llama", policies=["snapkv@protocols=aware"], protocols=["agnostic"])
+    only_aware = EvalConfig(model="tiny:llama", policies=["snapkv", "h2o@protocols=aware"], budgets=[0.3],
+                            tasks=["passkey"], samples=1)
+    from types import SimpleNamespace
+
+    one = [SimpleNamespace(task="passkey", metadata={"n_tokens": 100})]
+    assert grid_size(only_aware, one) == (2 + 3, 500)  # agnostic: full + snapkv; aware: + h2o
+
+
+def test_a_method_per_protocol_runs_only_there_and_resumes(tmp_path):
+    out = tmp_path / "per-protocol"
+    args = ["eval", "--model", "tiny:llama", "--budget", "0.3", "--tasks", "passkey", "--lengths", "256",
+            "--samples", "1", "--threads", "1", "--no-progress", "--out", str(out), "--policy",
+            "snapkv@window=8@protocols=agnostic@label=s,snapkv@window=16@protocols=aware@label=s"]
+    assert main(args) == 0
+    rows = _rows(out)
+    assert sorted((r["protocol"], r["policy"], r["policy_spec"]) for r in rows) == [
+        ("agnostic", "full", "full"), ("agnostic", "s", "snapkv@window=8@protocols=agnostic@label=s"),
+        ("aware", "full", "full"), ("aware", "s", "snapkv@window=16@protocols=aware@label=s"),
+    ]
+    assert "## Protocol: aware" in (out / "summary.md").read_text()
+    assert main([*args, "--resume"]) == 0  # every group complete: nothing reruns
+    assert _rows(out) == rows
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "eval").glob("*.yaml")), ids=lambda p: p.name)

@@ -11,8 +11,14 @@ Policy specs (one string per evaluated method):
   recent_window, prefill_chunk, pyramid_slope, evict_slack, quantize) applied to
   this method only, `label` (the name in tables and plots), `budgets` (this method's own
   budgets instead of the grid's, joined with '+': `@budgets=0.3` or `@budgets=0.1+0.3`; an
-  ablation then costs one run per prompt, not one per grid budget), or else a keyword argument
-  of the policy (e.g. `blend` for learned, `window` for snapkv). Values are read as YAML scalars.
+  ablation then costs one run per prompt, not one per grid budget), `protocols` (the protocols
+  this method runs under, joined with '+': `@protocols=aware`; default all of the grid's), or
+  else a keyword argument of the policy (e.g. `blend` for learned, `window` for snapkv). Values
+  are read as YAML scalars.
+
+Labels are unique within a protocol: two methods may share a label when they run under
+different protocols (one method, set up per protocol: e.g. `learned` with `blend: 0` under
+agnostic, where the observation window holds no question, and `blend: 0.5` under aware).
 
 Examples: `snapkv`, `snapkv@window=64`, `h2o@rerank_every=4@label=h2o-r4`,
 `learned:checkpoints/run/final@blend=0.5@schedule=pyramid`.
@@ -48,6 +54,10 @@ class PolicySpec:
     eviction: dict[str, Any]
     label: str
     budgets: tuple | None = None  # this method's own budgets (None = the grid's)
+    protocols: tuple | None = None  # the protocols it runs under (None = the grid's)
+
+    def runs_under(self, protocol: str) -> bool:
+        return self.protocols is None or protocol in self.protocols
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,11 +107,19 @@ def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
         budgets = tuple(parse_budget(b) for b in (own.split("+") if isinstance(own, str) else _split(own)))
         if not budgets:
             raise ValueError(f"policy {text!r}: @budgets needs at least one budget, e.g. @budgets=0.3")
+    own = options.pop("protocols", options.pop("protocol", None))
+    protocols = None
+    if own is not None:
+        protocols = tuple(str(p) for p in (own.split("+") if isinstance(own, str) else _split(own)))
+        bad = [p for p in protocols if p not in PROTOCOLS]
+        if bad or not protocols:
+            raise ValueError(f"policy {text!r}: @protocols={own!r}; allowed values: {', '.join(PROTOCOLS)} "
+                             "(several joined with '+')")
     eviction = {k: options.pop(k) for k in list(options) if k in EVICTION_FIELDS}
     if eviction:
         EvictionConfig(budget=0.5, **eviction)  # raises naming the field
     return PolicySpec(spec=text, name=head, policy_kwargs=options, eviction=eviction, label=label,
-                      budgets=budgets)
+                      budgets=budgets, protocols=protocols)
 
 
 def _split(value: Any) -> list:
@@ -193,10 +211,6 @@ class EvalConfig:
         pols = [p for p in _split(self.policies) if p != REFERENCE]
         self.policies = pols
         self._parsed = [parse_policy(p) for p in pols]
-        labels = [p.label for p in self._parsed]
-        dup = sorted({x for x in labels if labels.count(x) > 1} | ({REFERENCE} & set(labels)))
-        if dup:
-            raise ValueError(f"policy labels must be unique and not {REFERENCE!r}: {dup}; add @label=NAME")
         self.budgets = [parse_budget(b) for b in _split(self.budgets)]
         if not self.budgets and any(p.budgets is None for p in self._parsed):
             raise ValueError("budgets is empty; give fractions in (0, 1] such as 0.1,0.3")
@@ -204,6 +218,16 @@ class EvalConfig:
         bad = [p for p in self.protocols if p not in PROTOCOLS]
         if bad or not self.protocols:
             raise ValueError(f"protocols={self.protocols!r}; allowed values: {', '.join(PROTOCOLS)}")
+        for spec in self._parsed:
+            if not any(spec.runs_under(proto) for proto in self.protocols):
+                raise ValueError(f"policy {spec.spec!r} runs under none of the grid's protocols "
+                                 f"({', '.join(self.protocols)}); fix its @protocols= or the grid's protocols")
+        for proto in self.protocols:
+            labels = [p.label for p in self._parsed if p.runs_under(proto)]
+            dup = sorted({x for x in labels if labels.count(x) > 1} | ({REFERENCE} & set(labels)))
+            if dup:
+                raise ValueError(f"policy labels must be unique within a protocol and not {REFERENCE!r}: "
+                                 f"{dup} under {proto}; add @label=NAME or split them with @protocols=")
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
             raise ValueError(f"samples={self.samples!r} must be an int >= 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -245,8 +269,11 @@ class EvalConfig:
     def policy_specs(self) -> list[PolicySpec]:
         return list(self._parsed)
 
-    def budgets_of(self, spec: PolicySpec) -> list:
-        """The budgets `spec` runs at: its own (`@budgets=`) or the grid's."""
+    def budgets_of(self, spec: PolicySpec, protocol: str | None = None) -> list:
+        """The budgets `spec` runs at: its own (`@budgets=`) or the grid's; none under a
+        `protocol` it does not run under (`@protocols=`)."""
+        if protocol is not None and not spec.runs_under(protocol):
+            return []
         return list(spec.budgets) if spec.budgets is not None else list(self.budgets)
 
     def protocols_for(self, task: str) -> list[str]:

@@ -172,18 +172,18 @@ class Runner:
         built = {}
         for spec in self.cfg.policy_specs:
             try:
-                built[spec.label] = self.build_policy(spec)
+                built[spec.spec] = self.build_policy(spec)
             except OSError as e:  # an adapter that is neither a folder nor a reachable Hub repo
                 raise ValueError(f"policy {spec.spec!r}: {e}") from e
         windows = Counter(p.window for p in built.values() if self._needs(p) == "window")
         self.record_window = windows.most_common(1)[0][0] if windows else 32
         self.forkable = {
-            spec.label: bool(self.cfg.shared_prefill)
+            spec.spec: bool(self.cfg.shared_prefill)
             and self._chunk(spec) is None
-            and (self._needs(built[spec.label]) != "window" or built[spec.label].window == self.record_window)
+            and (self._needs(built[spec.spec]) != "window" or built[spec.spec].window == self.record_window)
             for spec in self.cfg.policy_specs
         }
-        needs = {self._needs(built[lbl]) for lbl, ok in self.forkable.items() if ok}
+        needs = {self._needs(built[key]) for key, ok in self.forkable.items() if ok}
         self.record = tuple(sorted(n for n in needs if n)) or ("last",)
 
     # ---- model calls ------------------------------------------------------------------------
@@ -350,8 +350,8 @@ class Runner:
                 row, ref = self.run_reference(sample, protocol)
             yield row
             for spec in self.cfg.policy_specs:
-                for budget in self.cfg.budgets_of(spec):
-                    use = shared if self.forkable[spec.label] else None
+                for budget in self.cfg.budgets_of(spec, protocol):
+                    use = shared if self.forkable[spec.spec] else None
                     yield self.run_policy(sample, protocol, spec, budget, ref, use)
         finally:
             if shared is not None:
@@ -407,9 +407,8 @@ class _SharedPrefill:
 def grid_size(cfg: EvalConfig, samples: list[Sample]) -> tuple[int, int]:
     """(number of runs, number of prompt tokens processed) of the whole grid."""
     runs = tokens = 0
-    per = 1 + sum(len(cfg.budgets_of(p)) for p in cfg.policy_specs)
     for s in samples:
-        k = len(cfg.protocols_for(s.task)) * per
+        k = sum(len(_method_keys(cfg, pr)) for pr in cfg.protocols_for(s.task))
         runs += k
         tokens += k * s.metadata["n_tokens"]
     return runs, tokens
@@ -451,9 +450,11 @@ def dump_row(f, row: dict) -> None:
 _RESUME_FIELDS = ("model", "dtype", "attn_implementation", "seed", "eviction", "task_options", "shared_prefill")
 
 
-def _method_keys(cfg: EvalConfig) -> set[tuple[str, str]]:
-    """(label, budget) of every run of one group, the reference included."""
-    return {(REFERENCE, str(1.0))} | {(p.label, str(b)) for p in cfg.policy_specs for b in cfg.budgets_of(p)}
+def _method_keys(cfg: EvalConfig, protocol: str) -> set[tuple[str, str]]:
+    """(label, budget) of every run of one group under `protocol`, the reference included."""
+    return {(REFERENCE, str(1.0))} | {
+        (p.label, str(b)) for p in cfg.policy_specs for b in cfg.budgets_of(p, protocol)
+    }
 
 
 def _check_resumable(out: Path, cfg: EvalConfig) -> None:
@@ -468,13 +469,15 @@ def _check_resumable(out: Path, cfg: EvalConfig) -> None:
                 f"resume: {out} was run with {k}={old[k]!r}, this grid has {k}={new[k]!r}; "
                 "use another --out (or the same setting) to resume"
             )
-    specs = {p["label"]: p["spec"] for p in old.get("policy_specs") or []}
-    for p in cfg.policy_specs:
-        if p.label in specs and specs[p.label] != p.spec:
-            raise ValueError(
-                f"resume: label {p.label!r} meant {specs[p.label]!r} in {out}, here {p.spec!r}; "
-                "give the new method another @label=NAME"
-            )
+    for o in old.get("policy_specs") or []:
+        for p in cfg.policy_specs:
+            shared = [pr for pr in cfg.protocols
+                      if p.runs_under(pr) and (not o.get("protocols") or pr in o["protocols"])]
+            if o["label"] == p.label and shared and o["spec"] != p.spec:
+                raise ValueError(
+                    f"resume: label {p.label!r} meant {o['spec']!r} under {shared[0]} in {out}, here {p.spec!r}; "
+                    "give the new method another @label=NAME"
+                )
 
 
 def _completed_rows(rows: list[dict], cfg: EvalConfig) -> tuple[list[dict], set[tuple[str, str]]]:
@@ -483,12 +486,12 @@ def _completed_rows(rows: list[dict], cfg: EvalConfig) -> tuple[list[dict], set[
     A group of our own rows is complete when it holds every (label, budget) of `cfg`; rows of
     incomplete groups are dropped (the group reruns: its reference must be recomputed anyway).
     Rows of peers (`source` other than sparsekv) are always kept."""
-    want = _method_keys(cfg)
     have: dict[tuple[str, str], set] = {}
     for r in rows:
         if r.get("source", "sparsekv") == "sparsekv":
             have.setdefault((r["sample_id"], r["protocol"]), set()).add((r["policy"], str(r["budget"])))
-    done = {g for g, keys in have.items() if want <= keys}
+    want = {pr: _method_keys(cfg, pr) for pr in {g[1] for g in have}}
+    done = {g for g, keys in have.items() if want[g[1]] <= keys}
     keep = [r for r in rows if r.get("source", "sparsekv") != "sparsekv" or (r["sample_id"], r["protocol"]) in done]
     return keep, done
 
@@ -604,9 +607,8 @@ def run_eval(cfg: EvalConfig, model=None, codec: Codec | None = None, progress: 
                 "environment": _environment(model, codec)}
     (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     todo = [(s, pr) for s in samples for pr in cfg.protocols_for(s.task) if (s.sample_id, pr) not in done]
-    per_group = len(_method_keys(cfg))
-    bar = tqdm(total=len(todo) * per_group, unit="run", disable=not progress, desc="sparsekv eval",
-               dynamic_ncols=True)
+    bar = tqdm(total=sum(len(_method_keys(cfg, pr)) for _, pr in todo), unit="run", disable=not progress,
+               desc="sparsekv eval", dynamic_ncols=True)
     if done and progress:
         bar.write(f"resume: {len(done)} complete groups kept, {len(todo)} to run")
     if workers == 1 or len(todo) <= 1:
