@@ -120,11 +120,12 @@ def test_learned_4k_sets_up_learned_and_every_ablation_under_both_protocols():
 
     cfg = EvalConfig.from_yaml(ROOT / "configs" / "eval" / "learned-4k.yaml")
     under = {pr: {p.label: p for p in cfg.policy_specs if p.runs_under(pr)} for pr in ("agnostic", "aware")}
-    assert set(under["agnostic"]) - {"learned, window blend"} == set(under["aware"]) - {"learned, prior only"}
+    assert set(under["agnostic"]) - {"learned, window blend"} == set(under["aware"]) - {"learned, prior only", "learned, union blend"}
     assert under["agnostic"]["learned"].policy_kwargs == {"blend": 0.0}
     assert under["aware"]["learned"].policy_kwargs == {}
     assert under["aware"]["learned, prior only"].policy_kwargs == {"blend": 0.0}
     assert under["agnostic"]["learned, window blend"].policy_kwargs == {}
+    assert under["aware"]["learned, union blend"].policy_kwargs == {"blend_mode": "max"}
     for label, spec in under["agnostic"].items():
         if label.startswith("learned, ") and label != "learned, window blend":
             assert spec.policy_kwargs.get("blend") == 0.0, label
