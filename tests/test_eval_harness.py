@@ -384,9 +384,25 @@ def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
     cells = [[x.strip() for x in ln.strip("|").split("|")] for ln in "\n".join(lines).splitlines() if "@" in ln]
     table = {c[0]: c[1:] for c in cells}
     # a: passkey 100%, multikey 50% (vartrack: the full cache scores 0, left out) -> 75%
-    assert table["a @ 0.3"][:3] == ["75%", "0.267", "1/3"]
-    assert table["b @ 0.3"][:3] == ["0%", "0.267", "2/3"]
+    # with its 95% bootstrap interval: passkey stays 100%, multikey resamples to 0/50/100%
+    assert table["a @ 0.3"][:3] == ["75% (50-100%)", "0.267", "1/3"]
+    assert table["b @ 0.3"][:3] == ["0% (0-0%)", "0.267", "2/3"]
     assert "averaged over passkey, multikey" in lines[-2]
+
+
+def test_share_interval_brackets_the_share_and_narrows_with_more_samples():
+    from sparsekv.evaluation.report import share_interval
+
+    assert share_interval([[(1.0, 1.0)] * 5]) == (1.0, 1.0)
+    # a method that answers 60% of the prompts the full cache answers (all of them)
+    small = [[(float(i % 5 < 3), 1.0) for i in range(10)]]
+    large = [[(float(i % 5 < 3), 1.0) for i in range(100)]]
+    lo_s, hi_s = share_interval(small)
+    lo_l, hi_l = share_interval(large)
+    assert lo_s < 0.6 < hi_s and lo_l < 0.6 < hi_l
+    assert hi_l - lo_l < 0.5 * (hi_s - lo_s)  # ~1/sqrt(10) as wide
+    assert 0.45 < lo_l < 0.55 and 0.65 < hi_l < 0.75  # 0.6 +- 1.96 * sqrt(0.24 / 100)
+    assert share_interval([[(1.0, 1.0)] * 5], seed=1) == share_interval([[(1.0, 1.0)] * 5], seed=1)
 
 
 def test_report_only_folds_in_the_finished_groups_of_a_stopped_run(run_dir, tmp_path):
@@ -404,6 +420,7 @@ def test_report_only_folds_in_the_finished_groups_of_a_stopped_run(run_dir, tmp_
     assert main(["eval", "--out", str(out), "--report-only"]) == 0
     kept = _rows(out)
     assert not list(out.glob("results.part-*")) and (out / "summary.md").is_file()
+    assert "samples per task and length: 1-2 (the grid asks for 2: a stopped run" in (out / "summary.md").read_text()
     assert sorted(map(_key, kept)) == sorted(map(_key, rows[:cut]))
 
 

@@ -5,6 +5,11 @@ of the full cache's accuracy (`score_frac`) and of its KV memory (`kv_frac`) are
 same samples and protocol as the policy's rows, against this harness's own full-cache rows, so
 rows ingested from a peer are compared with the same reference.
 
+The at-a-glance table's retrieval share comes with a 95% bootstrap interval: each task's
+samples are resampled (paired: a method's score with the full cache's on the same prompt),
+the share recomputed, 2,000 times with a fixed seed, and the 2.5th and 97.5th percentiles of the
+averaged share reported. It says how far the share can move with other prompts of the same kind.
+
 Plots, one figure per protocol and length, one panel per task:
 - `quality_<protocol>_<length>.png`: each task's quality number (accuracy, recall, perplexity,
   top-1, agreement) against the KV memory held after compression; one line per method through
@@ -20,6 +25,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from sparsekv.evaluation.config import REFERENCE
@@ -65,7 +71,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kv_ref = mean([_num(f.get("kv_bytes_compressed")) for _, f in paired])
         kv_pol = mean([_num(r.get("kv_bytes_compressed")) for r, _ in paired])
         nll = mean([_num(r.get("nll")) for r in rs])
+        pairs = [(_num(r.get("score")), _num(f.get("score"))) for r, f in paired]
         out.append({
+            "_pairs": [p for p in pairs if not (math.isnan(p[0]) or math.isnan(p[1]))],
             "source": source, "task": task, "length": length, "protocol": protocol, "policy": policy,
             "budget": budget, "n": len(rs), "errors": sum(1 for r in rs if r.get("error")),
             "score": mean(scores),
@@ -97,8 +105,8 @@ def write_csv(summary: list[dict[str, Any]], path: Path) -> None:
         w = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
         w.writeheader()
         for s in summary:
-            w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else
-                            (round(v, 6) if isinstance(v, float) else v)) for k, v in s.items()})
+            w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else (round(v, 6) if isinstance(v, float) else v))
+                        for k, v in s.items() if k in SUMMARY_FIELDS})
 
 
 def _fmt(x: float, digits: int = 3) -> str:
@@ -135,6 +143,25 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def share_interval(pairs_by_task: list[list[tuple[float, float]]], resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean over tasks of sum(method) / sum(full), from
+    each task's paired (method score, full-cache score) samples, resampled within the task."""
+    g = torch.Generator().manual_seed(seed)
+    shares = []
+    for pairs in pairs_by_task:
+        t = torch.tensor(pairs, dtype=torch.float64)  # (n, 2)
+        idx = torch.randint(len(pairs), (resamples, len(pairs)), generator=g)
+        sums = t[idx].sum(1)  # (resamples, 2)
+        shares.append(sums[:, 0] / sums[:, 1])  # inf / nan where a resample's full cache scores 0
+    mean_share = torch.stack(shares).mean(0)
+    mean_share = mean_share[torch.isfinite(mean_share)]
+    if not len(mean_share):
+        return float("nan"), float("nan")
+    lo, hi = torch.quantile(mean_share, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
 def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx: dict) -> list[str]:
     """Markdown lines of the at-a-glance table of one protocol and length: per method and budget,
     the retrieval accuracy as a share of the full cache's averaged over the question tasks the
@@ -157,18 +184,25 @@ def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx
             continue
         cells = {t: idx.get((*m, t)) for t in tasks}
         fracs = [cells[t]["score_frac"] for t in scored if cells[t] and not math.isnan(cells[t]["score_frac"])]
+        pairs = [cells[t]["_pairs"] for t in scored if cells[t] and cells[t].get("_pairs")]
+        share = "-"
+        if fracs:
+            share = f"{100 * mean(fracs):.0f}%"
+            if len(pairs) == len(fracs) and min(len(p) for p in pairs) > 1:
+                lo, hi = share_interval(pairs)
+                share += f" ({100 * lo:.0f}-{100 * hi:.0f}%)" if not math.isnan(lo) else ""
         kls = [c["kl"] for c in cells.values() if c and not math.isnan(c["kl"])]
         lowest = sum(1 for t, c in cells.items() if c and not math.isnan(c["kl"]) and c["kl"] <= best[(str(m[2]), t)])
         n = min((c["n"] for c in cells.values() if c), default=0)
         rows.append([_method(next(c for c in cells.values() if c)),
-                     "-" if not fracs else f"{100 * mean(fracs):.0f}%", _fmt(mean(kls)) if kls else "-",
+                     share, _fmt(mean(kls)) if kls else "-",
                      f"{lowest}/{len(kls)}", str(n)])
     if not rows:
         return []
     note = (f"Retrieval: accuracy as a share of the full cache's, averaged over {', '.join(scored)} "
             "(the question tasks the full cache answers at least once)" if scored else
             "Retrieval: - (the full cache answers none of the question tasks here)")
-    return ["At a glance:", "", _table(["method", "retrieval, share of full", "mean KL over tasks",
+    return ["At a glance:", "", _table(["method", "retrieval, share of full (95% interval)", "mean KL over tasks",
                                          "lowest KL at its budget (tasks)", "samples"], rows), "",
             f"{note}; KL: mean over {', '.join(tasks)}; the lowest-KL count compares every method "
             "at the same budget, task by task.", ""]
@@ -178,9 +212,13 @@ def write_markdown(summary: list[dict[str, Any]], path: Path, config: dict[str, 
     parts = ["# Evaluation summary", ""]
     if config:
         env = config.get("environment", {})
+        have = sorted({s["n"] for s in summary if s["policy"] == REFERENCE and s["source"] == "sparsekv"})
+        n = "-" if not have else str(have[0]) if len(have) == 1 else f"{have[0]}-{have[-1]}"
+        planned = config.get("samples")
+        n += "" if str(planned) == n else f" (the grid asks for {planned}: a stopped run, `--resume` continues it)"
         parts += [
             f"- model: `{config.get('model')}` ({config.get('dtype')}, {config.get('attn_implementation')}); "
-            f"samples per task and length: {config.get('samples')}; seed: {config.get('seed')}",
+            f"samples per task and length: {n}; seed: {config.get('seed')}",
             f"- machine: {env.get('processor', '?')}, torch {env.get('torch', '?')} "
             f"({env.get('torch_threads', '?')} threads), transformers {env.get('transformers', '?')}; "
             f"{env.get('date', '')}",
