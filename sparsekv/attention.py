@@ -20,7 +20,8 @@ Registration happens when a `SparseKVCache` is built, not on import.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -34,7 +34,12 @@ import weakref
 from typing import Any
 
 import torch
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    DynamicLayer,
+    get_layer_types_and_kwargs,
+)
 
 from sparsekv import attention as attn
 from sparsekv.config import EvictionConfig
@@ -42,7 +47,6 @@ from sparsekv.families import attention_modules, model_shape, text_config
 from sparsekv.policies import Policy, ScoreContext
 from sparsekv.policies import get as get_policy
 from sparsekv.schedules import layer_capacity, layer_fractions
-
 
 _RECORDABLE = ("all", "window", "last")
 _PER_ENTRY = ("keys", "values", "key_scale", "value_scale", "positions", "scores", "observed")
@@ -316,7 +320,7 @@ class EvictingLayer(DynamicLayer):
             h = rec.get("hidden")
             rec["hidden"] = self.hidden if h is None else torch.cat([h, self.hidden], dim=1)
 
-    def load_from(self, src: "EvictingLayer") -> None:
+    def load_from(self, src: EvictingLayer) -> None:
         """Start from `src`'s recorded prefill: score every entry as one prefill step would
         have, then evict (what the same prefill through this layer would have kept)."""
         policy = self.shared.policy
@@ -505,7 +509,7 @@ class SparseKVCache(Cache):
         self.shared.first_hidden = None
         self._finalizer()
 
-    def __enter__(self) -> "SparseKVCache":
+    def __enter__(self) -> SparseKVCache:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -523,7 +527,7 @@ class SparseKVCache(Cache):
         name = attn.register(current)
         model.set_attn_implementation(name)
 
-    def fork(self, config: EvictionConfig, policy: str | Policy) -> "SparseKVCache":
+    def fork(self, config: EvictionConfig, policy: str | Policy) -> SparseKVCache:
         """A new cache holding what `policy` under `config` would have kept after this cache's
         prefill, computed from what this cache recorded (built with `record=...` and the full
         policy). One prefill then serves every policy and budget: the prefill's own outputs do

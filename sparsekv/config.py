@@ -74,7 +74,7 @@ class EvictionConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EvictionConfig":
+    def from_dict(cls, d: dict[str, Any]) -> EvictionConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

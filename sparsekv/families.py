@@ -8,8 +8,8 @@ Qwen3 and Gemma 3 (text). Nothing here touches caches or scores.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

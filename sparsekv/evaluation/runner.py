@@ -204,7 +204,7 @@ class Runner:
         return sample.kind == "continuation" or (protocol == "agnostic" and bool(sample.question_ids))
 
     @torch.no_grad()
-    def _prefill_shared(self, sample: Sample, protocol: str) -> "_SharedPrefill":
+    def _prefill_shared(self, sample: Sample, protocol: str) -> _SharedPrefill:
         """Prefill the compressed part of the prompt once, with the full cache recording what
         every forkable policy needs."""
         from sparsekv import EvictionConfig, SparseKVCache
@@ -220,7 +220,7 @@ class Runner:
 
     @torch.no_grad()
     def _execute(self, sample: Sample, protocol: str, start, chunk: int | None,
-                 shared: "_SharedPrefill | None") -> dict[str, Any]:
+                 shared: _SharedPrefill | None) -> dict[str, Any]:
         """One run. `start()` returns a cache holding the compressed prefix: a fresh cache that
         this function prefills (shared is None) or a fork of the shared prefill. Returns raw
         outputs (token ids, step logits) and measurements."""
@@ -358,7 +358,7 @@ class Runner:
                 shared.cache.close()
 
     def run_reference(self, sample: Sample, protocol: str, start=None,
-                      shared: "_SharedPrefill | None" = None) -> tuple[dict[str, Any], Reference]:
+                      shared: _SharedPrefill | None = None) -> tuple[dict[str, Any], Reference]:
         """The full cache: transformers' DynamicCache prefilled live, or the full-policy fork of
         a shared prefill. Returns the row and what later runs compare with."""
         res = self._execute(sample, protocol, start or (lambda: self._make_cache(None, None)), None, shared)
@@ -372,7 +372,7 @@ class Runner:
         return row, Reference(res["output_ids"], lp, row["score"])
 
     def run_policy(self, sample: Sample, protocol: str, spec: PolicySpec, budget, ref: Reference,
-                   shared: "_SharedPrefill | None" = None) -> dict[str, Any]:
+                   shared: _SharedPrefill | None = None) -> dict[str, Any]:
         """One policy at one budget; a crash becomes a row with `error` set and score 0."""
         row = self._row(sample, protocol, spec.label, spec.spec, budget)
         try:
@@ -384,7 +384,7 @@ class Runner:
                     return self._make_cache(spec, budget)
             res = self._execute(sample, protocol, start, self._chunk(spec), shared)
             row, _ = self._fill(row, sample, res, ref)
-        except Exception as e:  # noqa: BLE001 - a crashing method is a measured miss, not a stop
+        except Exception as e:  # a crashing method is a measured miss, not a stop
             row["error"] = f"{type(e).__name__}: {e}"
             row["score"] = 0.0
             row["kl"] = row["kl_mean"] = NAN

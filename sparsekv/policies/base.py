@@ -24,8 +24,9 @@ The cache computes only the statistics a policy asks for through its class attri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
