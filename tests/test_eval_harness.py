@@ -390,6 +390,28 @@ def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
     assert "averaged over passkey, multikey" in lines[-2]
 
 
+def test_side_by_side_puts_both_protocols_and_every_budget_of_a_method_in_one_row():
+    from sparsekv.evaluation.report import side_by_side, summarize
+
+    def row(protocol, sid, policy, budget, score, kl):
+        return {"source": "sparsekv", "task": "passkey", "length": 512, "protocol": protocol, "sample_id": sid,
+                "policy": policy, "budget": budget, "score": score, "kl": kl, "kv_bytes_compressed": 100}
+
+    rows = []
+    for pr in ("agnostic", "aware"):
+        for i in range(2):
+            rows += [row(pr, f"p{i}", "full", 1.0, 1.0, 0.0), row(pr, f"p{i}", "a", 0.1, float(i), 0.5),
+                     row(pr, f"p{i}", "a", 0.3, 1.0, 0.25)]
+        rows.append(row(pr, "p0", "ablation", 0.3, 0.0, 1.0))
+    rows.append(row("agnostic", "p1", "ablation", 0.3, 0.0, 1.0))  # aware: the ablation ran on p0 only
+    lines = "\n".join(side_by_side(summarize(rows))).splitlines()
+    assert lines[0] == "## Side by side, 512 tokens"
+    cells = {c[0]: c[1:] for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in lines if ln.startswith("| "))}
+    assert cells["method"][0] == "agnostic: retrieval share @ 0.1 / 0.3" and cells["method"][2].startswith("aware")
+    assert cells["a"] == ["50% / 100%", "0.5 / 0.25", "50% / 100%", "0.5 / 0.25"]
+    assert cells["ablation"] == ["- / 0%", "- / 1", "- / 0%", "- / 1"]
+
+
 def test_share_interval_brackets_the_share_and_narrows_with_more_samples():
     from sparsekv.evaluation.report import share_interval
 

@@ -5,7 +5,9 @@ of the full cache's accuracy (`score_frac`) and of its KV memory (`kv_frac`) are
 same samples and protocol as the policy's rows, against this harness's own full-cache rows, so
 rows ingested from a peer are compared with the same reference.
 
-The at-a-glance table's retrieval share comes with a 95% bootstrap interval: each task's
+summary.md opens with every method side by side (one row per method: per protocol, its retrieval
+share and mean KL at each budget), then per protocol and length an at-a-glance table and the
+per-task tables. The at-a-glance table's retrieval share comes with a 95% bootstrap interval: each task's
 samples are resampled (paired: a method's score with the full cache's on the same prompt),
 the share recomputed, 2,000 times with a fixed seed, and the 2.5th and 97.5th percentiles of the
 averaged share reported. It says how far the share can move with other prompts of the same kind.
@@ -162,11 +164,13 @@ def share_interval(pairs_by_task: list[list[tuple[float, float]]], resamples: in
     return lo, hi
 
 
-def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx: dict) -> list[str]:
-    """Markdown lines of the at-a-glance table of one protocol and length: per method and budget,
-    the retrieval accuracy as a share of the full cache's averaged over the question tasks the
-    full cache answers at all, the mean KL over every task, and in how many tasks that method
-    has the lowest KL of all methods at the same budget."""
+def glance_stats(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple],
+                 idx: dict) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per method and budget of one protocol and length (the full cache left out): `share` (the
+    retrieval accuracy as a share of the full cache's, averaged over the question tasks the full
+    cache answers at all, NaN if none) with its 95% interval `lo`-`hi`, `kl` (the mean over every
+    task), `lowest` (in how many tasks it has the lowest KL of all methods at the same budget) of
+    `tasks_kl`, and `n` (samples). Returns those and the tasks the share averages over."""
     retrieval = [t for t in tasks if TASKS.get(t) and TASKS[t].kind == "answer"]
     full = {t: idx.get(("sparsekv", REFERENCE, 1.0, t)) for t in tasks}
     scored = [t for t in retrieval if full[t] and full[t]["score"] > 0]
@@ -178,27 +182,43 @@ def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx
             c = idx.get((*m, t))
             if c and not math.isnan(c["kl"]):
                 best[(str(m[2]), t)] = min(best.get((str(m[2]), t), float("inf")), c["kl"])
-    rows = []
+    stats = []
     for m in methods:
         if m[1] == REFERENCE:
             continue
         cells = {t: idx.get((*m, t)) for t in tasks}
         fracs = [cells[t]["score_frac"] for t in scored if cells[t] and not math.isnan(cells[t]["score_frac"])]
         pairs = [cells[t]["_pairs"] for t in scored if cells[t] and cells[t].get("_pairs")]
-        share = "-"
-        if fracs:
-            share = f"{100 * mean(fracs):.0f}%"
-            if len(pairs) == len(fracs) and min(len(p) for p in pairs) > 1:
-                lo, hi = share_interval(pairs)
-                share += f" ({100 * lo:.0f}-{100 * hi:.0f}%)" if not math.isnan(lo) else ""
+        lo = hi = float("nan")
+        if fracs and len(pairs) == len(fracs) and min(len(p) for p in pairs) > 1:
+            lo, hi = share_interval(pairs)
         kls = [c["kl"] for c in cells.values() if c and not math.isnan(c["kl"])]
-        lowest = sum(1 for t, c in cells.items() if c and not math.isnan(c["kl"]) and c["kl"] <= best[(str(m[2]), t)])
-        n = min((c["n"] for c in cells.values() if c), default=0)
-        rows.append([_method(next(c for c in cells.values() if c)),
-                     share, _fmt(mean(kls)) if kls else "-",
-                     f"{lowest}/{len(kls)}", str(n)])
-    if not rows:
+        stats.append({
+            "source": m[0], "policy": m[1], "budget": m[2], "name": _method(next(c for c in cells.values() if c)),
+            "share": mean(fracs) if fracs else float("nan"), "lo": lo, "hi": hi,
+            "kl": mean(kls) if kls else float("nan"), "tasks_kl": len(kls),
+            "lowest": sum(1 for t, c in cells.items() if c and not math.isnan(c["kl"]) and c["kl"] <= best[(str(m[2]), t)]),
+            "n": min((c["n"] for c in cells.values() if c), default=0),
+        })
+    return stats, scored
+
+
+def _share(st: dict[str, Any], interval: bool = True) -> str:
+    if math.isnan(st["share"]):
+        return "-"
+    text = f"{100 * st['share']:.0f}%"
+    if interval and not math.isnan(st["lo"]):
+        text += f" ({100 * st['lo']:.0f}-{100 * st['hi']:.0f}%)"
+    return text
+
+
+def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx: dict) -> list[str]:
+    """Markdown lines of the at-a-glance table of one protocol and length (`glance_stats`)."""
+    stats, scored = glance_stats(ss, tasks, methods, idx)
+    if not stats:
         return []
+    rows = [[st["name"], _share(st), _fmt(st["kl"]), f"{st['lowest']}/{st['tasks_kl']}", str(st["n"])]
+            for st in stats]
     note = (f"Retrieval: accuracy as a share of the full cache's, averaged over {', '.join(scored)} "
             "(the question tasks the full cache answers at least once)" if scored else
             "Retrieval: - (the full cache answers none of the question tasks here)")
@@ -206,6 +226,47 @@ def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx
                                          "lowest KL at its budget (tasks)", "samples"], rows), "",
             f"{note}; KL: mean over {', '.join(tasks)}; the lowest-KL count compares every method "
             "at the same budget, task by task.", ""]
+
+
+def side_by_side(summary: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines of one table per length with every method in a row and, per protocol, its
+    retrieval share and mean KL at each of the grid's budgets ("x / y / z"; "-" where the method
+    did not run at a budget): the whole comparison in one place."""
+    out: list[str] = []
+    for length in sorted({s["length"] for s in summary}):
+        protocols = sorted({s["protocol"] for s in summary if s["length"] == length})
+        per: dict[str, dict[tuple, dict]] = {}
+        order: OrderedDict[tuple, None] = OrderedDict()
+        budgets: set = set()
+        for pr in protocols:
+            ss = [s for s in summary if s["length"] == length and s["protocol"] == pr]
+            tasks = [t for t in TASKS if any(s["task"] == t for s in ss)]
+            tasks += sorted({s["task"] for s in ss} - set(tasks))
+            idx = {(s["source"], s["policy"], s["budget"], s["task"]): s for s in ss}
+            stats, _ = glance_stats(ss, tasks, _methods(ss), idx)
+            per[pr] = {(st["source"], st["policy"], st["budget"]): st for st in stats}
+            for st in stats:
+                order[(st["source"], st["policy"])] = None
+                budgets.add(st["budget"])
+        if not order:
+            continue
+        grid = sorted(budgets, key=_budget_key)
+        head = ["method"]
+        for pr in protocols:
+            b = " / ".join(str(x) for x in grid)
+            head += [f"{pr}: retrieval share @ {b}", f"{pr}: mean KL @ {b}"]
+        rows = []
+        for source, policy in order:
+            name = policy if source == "sparsekv" else f"{policy} ({source})"
+            row = [name]
+            for pr in protocols:
+                got = [per[pr].get((source, policy, b)) for b in grid]
+                row += [" / ".join(_share(st, interval=False) if st else "-" for st in got),
+                        " / ".join(_fmt(st["kl"]) if st else "-" for st in got)]
+            rows.append(row)
+        out += [f"## Side by side, {length} tokens", "", _table(head, rows), "",
+                "Retrieval share and mean KL as in each protocol's at-a-glance table below (intervals there).", ""]
+    return out
 
 
 def write_markdown(summary: list[dict[str, Any]], path: Path, config: dict[str, Any] | None = None) -> None:
@@ -229,6 +290,7 @@ def write_markdown(summary: list[dict[str, Any]], path: Path, config: dict[str, 
             "the continuation). KV MiB: bytes held by the cache right after compression.",
             "",
         ]
+    parts += side_by_side(summary)
     by_view: OrderedDict[tuple, list] = OrderedDict()
     for s in sorted(summary, key=lambda s: (s["protocol"], s["length"])):
         by_view.setdefault((s["protocol"], s["length"]), []).append(s)
