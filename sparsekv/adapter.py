@@ -420,6 +420,8 @@ class ScorerAdapter:
             + (f", hidden {c.hidden}" if c.kind == "mlp" else "")
             + f", {self.head.num_parameters():,} parameters |",
             f"| target | {c.target_config.describe()} |",
+            f"| policy defaults | blend {c.blend:g} ({c.blend_mode}), head_layer {c.head_layer}, "
+            f"kernel_size {c.kernel_size}, recency {c.recency:g} |",
             f"| sparsekv | {c.sparsekv_version} |",
             "",
             "## Usage",
@@ -430,6 +432,11 @@ class ScorerAdapter:
             'with adapter.attach(model, budget=0.3, schedule="pyramid", rerank_every=16):',
             "    out = model.generate(**inputs, max_new_tokens=64)",
             "```",
+            "",
+            "With the question in the prompt, the defaults blend the head's scores with the attention "
+            "of the prompt's last tokens. A context compressed before its question is known (a "
+            "prefix cached for later questions) gains nothing from that window: pass `blend=0.0` "
+            "to `attach` (or `policy`) to rank by the head alone.",
             "",
             "Loading it onto a model of another shape raises an error naming the mismatch.",
             "",

@@ -64,6 +64,7 @@ def test_round_trip_reproduces_scores_exactly(tmp_path):
     assert (
         "base_model: org/tiny" in card and "| learned | 0.9 |" in card and '"max_steps": 10' in card
     )
+    assert "| policy defaults | blend 0 (mix), head_layer own, kernel_size 1, recency 0 |" in card
     cfg = json.loads((folder / "adapter_config.json").read_text())
     assert cfg["layers"] == [1, 3] and cfg["hidden_size"] == 64 and cfg["target"]["stat"] == "mass"
 
