@@ -412,6 +412,22 @@ def test_side_by_side_puts_both_protocols_and_every_budget_of_a_method_in_one_ro
     assert cells["ablation"] == ["- / 0%", "- / 1", "- / 0%", "- / 1"]
 
 
+def test_report_only_needs_the_rows_not_the_prompts(run_dir, tmp_path, capsys):
+    """A folder rebuilt from committed rows (results.jsonl + config.yaml) reports as the original."""
+    import shutil
+
+    out = tmp_path / "rows-only"
+    out.mkdir()
+    for name in ("config.yaml", "results.jsonl"):
+        shutil.copy(run_dir / name, out / name)
+    assert main(["eval", "--out", str(out), "--report-only"]) == 0
+    assert (out / "summary.md").read_text() == (run_dir / "summary.md").read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["eval", "--out", str(empty), "--report-only"]) == 2
+    assert "holds no results.jsonl" in capsys.readouterr().err
+
+
 def test_share_interval_brackets_the_share_and_narrows_with_more_samples():
     from sparsekv.evaluation.report import share_interval
 

@@ -152,8 +152,10 @@ def run_eval_command(args: argparse.Namespace) -> int:
         if not args.out:
             raise ValueError("--ingest and --report-only need --out (the evaluation folder)")
         out = Path(args.out)
-        if not (out / "prompts.jsonl").exists():
+        if args.ingest and not (out / "prompts.jsonl").exists():
             raise ValueError(f"{out} holds no prompts.jsonl: run the grid (or --dump-prompts) there first")
+        if not args.ingest and not (out / "results.jsonl").exists() and not list(out.glob("results.part-*.jsonl")):
+            raise ValueError(f"{out} holds no results.jsonl: nothing to report")
         if args.ingest:
             n = runner.ingest_rows(out, args.ingest, source=args.source)
             print(f"added {n} rows from {args.ingest} to {out / 'results.jsonl'}")
