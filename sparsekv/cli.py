@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"sparsekv: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C or kill: what was finished is saved (the command says where)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

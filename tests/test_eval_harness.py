@@ -428,6 +428,16 @@ def test_report_only_needs_the_rows_not_the_prompts(run_dir, tmp_path, capsys):
     assert "holds no results.jsonl" in capsys.readouterr().err
 
 
+def test_a_stopped_grid_exits_130_without_a_traceback(monkeypatch, tmp_path):
+    from sparsekv.evaluation import runner
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_eval", stopped)
+    assert main(["eval", *GRID, "--out", str(tmp_path / "stopped")]) == 130
+
+
 def test_share_interval_brackets_the_share_and_narrows_with_more_samples():
     from sparsekv.evaluation.report import share_interval
 
