@@ -104,13 +104,13 @@ def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
     own = options.pop("budgets", options.pop("budget", None))
     budgets = None
     if own is not None:
-        budgets = tuple(parse_budget(b) for b in (own.split("+") if isinstance(own, str) else _split(own)))
+        budgets = tuple(parse_budget(b) for b in _split_plus(own))
         if not budgets:
             raise ValueError(f"policy {text!r}: @budgets needs at least one budget, e.g. @budgets=0.3")
     own = options.pop("protocols", options.pop("protocol", None))
     protocols = None
     if own is not None:
-        protocols = tuple(str(p) for p in (own.split("+") if isinstance(own, str) else _split(own)))
+        protocols = tuple(str(p) for p in _split_plus(own))
         bad = [p for p in protocols if p not in PROTOCOLS]
         if bad or not protocols:
             raise ValueError(f"policy {text!r}: @protocols={own!r}; allowed values: {', '.join(PROTOCOLS)} "
@@ -120,6 +120,11 @@ def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
         EvictionConfig(budget=0.5, **eviction)  # raises naming the field
     return PolicySpec(spec=text, name=head, policy_kwargs=options, eviction=eviction, label=label,
                       budgets=budgets, protocols=protocols)
+
+
+def _split_plus(value: Any) -> list:
+    """A per-method list option: 'a+b' in the string form, a YAML list (or one value) in a mapping."""
+    return value.split("+") if isinstance(value, str) else _split(value)
 
 
 def _split(value: Any) -> list:

@@ -104,11 +104,11 @@ def quality(s: dict[str, Any]) -> float:
 
 def write_csv(summary: list[dict[str, Any]], path: Path) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
+        w = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS, extrasaction="ignore")  # private keys ("_pairs") stay out
         w.writeheader()
         for s in summary:
-            w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else (round(v, 6) if isinstance(v, float) else v))
-                        for k, v in s.items() if k in SUMMARY_FIELDS})
+            w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else
+                            (round(v, 6) if isinstance(v, float) else v)) for k, v in s.items()})
 
 
 def _fmt(x: float, digits: int = 3) -> str:
@@ -212,9 +212,11 @@ def _share(st: dict[str, Any], interval: bool = True) -> str:
     return text
 
 
-def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx: dict) -> list[str]:
-    """Markdown lines of the at-a-glance table of one protocol and length (`glance_stats`)."""
-    stats, scored = glance_stats(ss, tasks, methods, idx)
+def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx: dict,
+           computed: tuple[list[dict[str, Any]], list[str]] | None = None) -> list[str]:
+    """Markdown lines of the at-a-glance table of one protocol and length (`glance_stats`, or
+    what it already returned for this view: `computed`)."""
+    stats, scored = computed if computed is not None else glance_stats(ss, tasks, methods, idx)
     if not stats:
         return []
     rows = [[st["name"], _share(st), _fmt(st["kl"]), f"{st['lowest']}/{st['tasks_kl']}", str(st["n"])]
@@ -228,22 +230,37 @@ def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx
             "at the same budget, task by task.", ""]
 
 
-def side_by_side(summary: list[dict[str, Any]]) -> list[str]:
+def _views(summary: list[dict[str, Any]]) -> OrderedDict[tuple, tuple]:
+    """Per (protocol, length), in that order: its summary rows, its tasks (registry order
+    first), its methods in display order, and its rows by (source, policy, budget, task): the
+    arguments of `glance_stats` and `glance`."""
+    rows: OrderedDict[tuple, list] = OrderedDict()
+    for s in sorted(summary, key=lambda s: (s["protocol"], s["length"])):
+        rows.setdefault((s["protocol"], s["length"]), []).append(s)
+    views: OrderedDict[tuple, tuple] = OrderedDict()
+    for key, ss in rows.items():
+        tasks = [t for t in TASKS if any(s["task"] == t for s in ss)]
+        tasks += sorted({s["task"] for s in ss} - set(tasks))
+        idx = {(s["source"], s["policy"], s["budget"], s["task"]): s for s in ss}
+        views[key] = (ss, tasks, _methods(ss), idx)
+    return views
+
+
+def side_by_side(summary: list[dict[str, Any]], computed: dict[tuple, tuple] | None = None) -> list[str]:
     """Markdown lines of one table per length with every method in a row and, per protocol, its
     retrieval share and mean KL at each of the grid's budgets ("x / y / z"; "-" where the method
-    did not run at a budget): the whole comparison in one place."""
+    did not run at a budget): the whole comparison in one place. `computed`: `glance_stats` per
+    (protocol, length) when the caller has it already."""
+    if computed is None:
+        computed = {key: glance_stats(*view) for key, view in _views(summary).items()}
     out: list[str] = []
-    for length in sorted({s["length"] for s in summary}):
-        protocols = sorted({s["protocol"] for s in summary if s["length"] == length})
+    for length in sorted({length for _, length in computed}):
+        protocols = sorted(pr for pr, n in computed if n == length)
         per: dict[str, dict[tuple, dict]] = {}
         order: OrderedDict[tuple, None] = OrderedDict()
         budgets: set = set()
         for pr in protocols:
-            ss = [s for s in summary if s["length"] == length and s["protocol"] == pr]
-            tasks = [t for t in TASKS if any(s["task"] == t for s in ss)]
-            tasks += sorted({s["task"] for s in ss} - set(tasks))
-            idx = {(s["source"], s["policy"], s["budget"], s["task"]): s for s in ss}
-            stats, _ = glance_stats(ss, tasks, _methods(ss), idx)
+            stats, _ = computed[(pr, length)]
             per[pr] = {(st["source"], st["policy"], st["budget"]): st for st in stats}
             for st in stats:
                 order[(st["source"], st["policy"])] = None
@@ -290,15 +307,10 @@ def write_markdown(summary: list[dict[str, Any]], path: Path, config: dict[str, 
             "the continuation). KV MiB: bytes held by the cache right after compression.",
             "",
         ]
-    parts += side_by_side(summary)
-    by_view: OrderedDict[tuple, list] = OrderedDict()
-    for s in sorted(summary, key=lambda s: (s["protocol"], s["length"])):
-        by_view.setdefault((s["protocol"], s["length"]), []).append(s)
-    for (protocol, length), ss in by_view.items():
-        tasks = [t for t in TASKS if any(s["task"] == t for s in ss)]
-        tasks += sorted({s["task"] for s in ss} - set(tasks))
-        idx = {(s["source"], s["policy"], s["budget"], s["task"]): s for s in ss}
-        methods = _methods(ss)
+    views = _views(summary)
+    computed = {key: glance_stats(*view) for key, view in views.items()}  # the bootstrap runs once per view
+    parts += side_by_side(summary, computed)
+    for (protocol, length), (ss, tasks, methods, idx) in views.items():
         q_rows, kl_rows, cost_rows = [], [], []
         for m in methods:
             cells = [idx.get((*m, t)) for t in tasks]
@@ -330,7 +342,7 @@ def write_markdown(summary: list[dict[str, Any]], path: Path, config: dict[str, 
             q_rows = [r if len(r) > len(tasks) + 3 else [*r, "0"] for r in q_rows]
         heads = [f"{t} ({TASKS[t].metric})" if t in TASKS else t for t in tasks]
         parts += [f"## Protocol: {protocol}, {length} tokens", ""]
-        parts += glance(ss, tasks, methods, idx)
+        parts += glance(ss, tasks, methods, idx, computed[(protocol, length)])
         parts += ["Quality (fraction of the full cache's):", ""]
         parts += [_table(["method", *heads, "KV MiB", "KV vs full"] + (["errors"] if any_err else []), q_rows), ""]
         parts += ["KL divergence from the full cache (nats):", "", _table(["method", *tasks], kl_rows), ""]
