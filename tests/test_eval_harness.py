@@ -366,12 +366,17 @@ def test_resume_keeps_complete_groups_and_reruns_the_rest(run_dir, tmp_path, cap
 def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
     from sparsekv.evaluation.report import _methods, glance, summarize
 
-    def row(task, sid, policy, budget, score, kl):
+    def row(task, sid, policy, budget, score, kl, spec=None):
         return {"source": "sparsekv", "task": task, "length": 512, "protocol": "agnostic", "sample_id": sid,
-                "policy": policy, "budget": budget, "score": score, "kl": kl, "kv_bytes_compressed": 100}
+                "policy": policy, "policy_spec": spec or policy, "budget": budget, "score": score, "kl": kl,
+                "kv_bytes_compressed": 100}
 
     rows = []
     for i in range(2):
+        # an ablation of `a` (same policy, another setting) with the lowest KL everywhere: it does
+        # not take `a`'s lowest-KL counts, but it is another policy's variant for `b`
+        rows += [row(t, f"{t[0]}{i}", "a, ablation", 0.3, 0.0, 0.05, spec="a@window=4")
+                 for t in ("passkey", "multikey", "vartrack")]
         rows += [row("passkey", f"p{i}", "full", 1.0, 1.0, 0.0), row("multikey", f"m{i}", "full", 1.0, 1.0, 0.0),
                  row("vartrack", f"v{i}", "full", 1.0, 0.0, 0.0)]
         rows += [row("passkey", f"p{i}", "a", 0.3, 1.0, 0.1), row("multikey", f"m{i}", "a", 0.3, float(i), 0.5),
@@ -386,7 +391,9 @@ def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
     # a: passkey 100%, multikey 50% (vartrack: the full cache scores 0, left out) -> 75%
     # with its 95% bootstrap interval: passkey stays 100%, multikey resamples to 0/50/100%
     assert table["a @ 0.3"][:3] == ["75% (50-100%)", "0.267", "1/3"]
-    assert table["b @ 0.3"][:3] == ["0% (0-0%)", "0.267", "2/3"]
+    assert table["b @ 0.3"][:3] == ["0% (0-0%)", "0.267", "0/3"]  # 2/3 without the ablation
+    assert table["a, ablation @ 0.3"][:3] == ["0% (0-0%)", "0.05", "3/3"]
+    assert "variants of one policy" in lines[-2]
     assert "averaged over passkey, multikey" in lines[-2]
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,13 @@ def _budget_key(b: Any) -> float:
         return float("inf")
 
 
+def _family(source: str, policy: str, spec: str | None) -> tuple[str, str]:
+    """The policy a method is a variant of: its spec's name (`learned:DIR@blend=0` and its
+    ablations are all `learned`), or its label where the rows carry no spec (peers' rows)."""
+    name = re.split(r"[:@]", spec, maxsplit=1)[0] if spec else policy
+    return source, name
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One summary row per (source, task, length, protocol, policy, budget)."""
     ref: dict[tuple, dict] = {}
@@ -77,6 +85,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({
             "_pairs": [p for p in pairs if not (math.isnan(p[0]) or math.isnan(p[1]))],
             "source": source, "task": task, "length": length, "protocol": protocol, "policy": policy,
+            "_family": _family(source, policy, rs[0].get("policy_spec")),
             "budget": budget, "n": len(rs), "errors": sum(1 for r in rs if r.get("error")),
             "score": mean(scores),
             "score_frac": pol_sum / ref_sum if paired and ref_sum > 0 else float("nan"),
@@ -170,18 +179,27 @@ def glance_stats(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple
     retrieval accuracy as a share of the full cache's, averaged over the question tasks the full
     cache answers at all, NaN if none) with its 95% interval `lo`-`hi`, `kl` (the mean over every
     task), `lowest` (in how many tasks it has the lowest KL of all methods at the same budget) of
-    `tasks_kl`, and `n` (samples). Returns those and the tasks the share averages over."""
+    `tasks_kl` (variants of one policy, e.g. its ablations, are not compared with each other), and
+    `n` (samples). Returns those and the tasks the share averages over."""
     retrieval = [t for t in tasks if TASKS.get(t) and TASKS[t].kind == "answer"]
     full = {t: idx.get(("sparsekv", REFERENCE, 1.0, t)) for t in tasks}
     scored = [t for t in retrieval if full[t] and full[t]["score"] > 0]
-    best: dict[tuple, float] = {}
+    kl_at: dict[tuple, list[tuple[tuple, float]]] = {}  # (budget, task) -> [(family, KL)]
     for m in methods:
         if m[1] == REFERENCE:
             continue
         for t in tasks:
             c = idx.get((*m, t))
             if c and not math.isnan(c["kl"]):
-                best[(str(m[2]), t)] = min(best.get((str(m[2]), t), float("inf")), c["kl"])
+                kl_at.setdefault((str(m[2]), t), []).append((c.get("_family", m[:2]), c["kl"]))
+
+    def lowest(c: dict[str, Any] | None, budget: Any, task: str) -> bool:
+        """Its KL is the lowest at its budget on this task, against every method that is not a
+        variant of the same policy (ablations are not compared with the policy they vary)."""
+        if not c or math.isnan(c["kl"]):
+            return False
+        family = c.get("_family")
+        return all(c["kl"] <= kl for f, kl in kl_at[(str(budget), task)] if family is None or f != family)
     stats = []
     for m in methods:
         if m[1] == REFERENCE:
@@ -197,7 +215,7 @@ def glance_stats(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple
             "source": m[0], "policy": m[1], "budget": m[2], "name": _method(next(c for c in cells.values() if c)),
             "share": mean(fracs) if fracs else float("nan"), "lo": lo, "hi": hi,
             "kl": mean(kls) if kls else float("nan"), "tasks_kl": len(kls),
-            "lowest": sum(1 for t, c in cells.items() if c and not math.isnan(c["kl"]) and c["kl"] <= best[(str(m[2]), t)]),
+            "lowest": sum(1 for t, c in cells.items() if lowest(c, m[2], t)),
             "n": min((c["n"] for c in cells.values() if c), default=0),
         })
     return stats, scored
@@ -226,8 +244,9 @@ def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx
             "Retrieval: - (the full cache answers none of the question tasks here)")
     return ["At a glance:", "", _table(["method", "retrieval, share of full (95% interval)", "mean KL over tasks",
                                          "lowest KL at its budget (tasks)", "samples"], rows), "",
-            f"{note}; KL: mean over {', '.join(tasks)}; the lowest-KL count compares every method "
-            "at the same budget, task by task.", ""]
+            f"{note}; KL: mean over {', '.join(tasks)}; the lowest-KL count compares each method with "
+            "every other policy at the same budget, task by task (variants of one policy, such as its "
+            "ablations, are not compared with each other).", ""]
 
 
 def _views(summary: list[dict[str, Any]]) -> OrderedDict[tuple, tuple]:
