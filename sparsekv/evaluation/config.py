@@ -70,6 +70,11 @@ def _scalar(text: str) -> Any:
         return text
 
 
+def policy_name(head: str) -> str:
+    """The policy a spec string builds: `learned` for `learned:DIR@blend=0`."""
+    return head.split("@", 1)[0].partition(":")[0]
+
+
 def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
     """Parse `NAME[:ARG][@KEY=VALUE]...` (or the YAML mapping form) into a `PolicySpec`."""
     from sparsekv.policies import available
@@ -92,7 +97,7 @@ def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
             options[k.strip()] = _scalar(v.strip())
     else:
         raise ValueError(f"policy={spec!r} must be a non-empty string like 'snapkv' or 'learned:PATH@blend=0.5'")
-    name, _, arg = head.partition(":")
+    name, arg = policy_name(head), head.partition(":")[2]
     known = available()
     if name not in known:
         raise ValueError(f"unknown policy {name!r} in {text!r}; known policies: {', '.join(known)}")

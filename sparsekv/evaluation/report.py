@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import csv
 import math
-import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 import yaml
 
-from sparsekv.evaluation.config import REFERENCE
+from sparsekv.evaluation.config import REFERENCE, policy_name
 from sparsekv.evaluation.metrics import mean
 from sparsekv.evaluation.tasks import TASKS
 
@@ -58,8 +57,7 @@ def _budget_key(b: Any) -> float:
 def _family(source: str, policy: str, spec: str | None) -> tuple[str, str]:
     """The policy a method is a variant of: its spec's name (`learned:DIR@blend=0` and its
     ablations are all `learned`), or its label where the rows carry no spec (peers' rows)."""
-    name = re.split(r"[:@]", spec, maxsplit=1)[0] if spec else policy
-    return source, name
+    return source, policy_name(spec) if spec else policy
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -191,15 +189,14 @@ def glance_stats(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple
         for t in tasks:
             c = idx.get((*m, t))
             if c and not math.isnan(c["kl"]):
-                kl_at.setdefault((str(m[2]), t), []).append((c.get("_family", m[:2]), c["kl"]))
+                kl_at.setdefault((str(m[2]), t), []).append((c["_family"], c["kl"]))
 
     def lowest(c: dict[str, Any] | None, budget: Any, task: str) -> bool:
         """Its KL is the lowest at its budget on this task, against every method that is not a
         variant of the same policy (ablations are not compared with the policy they vary)."""
         if not c or math.isnan(c["kl"]):
             return False
-        family = c.get("_family")
-        return all(c["kl"] <= kl for f, kl in kl_at[(str(budget), task)] if family is None or f != family)
+        return all(c["kl"] <= kl for f, kl in kl_at[(str(budget), task)] if f != c["_family"])
     stats = []
     for m in methods:
         if m[1] == REFERENCE:
