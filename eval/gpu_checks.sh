@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU checks in one run: the CUDA test suite (bf16/fp16, sdpa, no host syncs while decoding,
+# teacher statistics against float64), the teacher statistics at 8K/16K/32K tokens, and the
+# throughput benchmark (full cache vs. budget 0.3, with and without INT8) on the Llama-3.1-8B
+# shape. Logs and JSON rows go to $OUT (default results/gpu).
+#
+#   bash eval/gpu_checks.sh                                  # on a CUDA machine
+#   OUT=/tmp/gpu DEVICE=cpu SHAPE=tiny LENGTHS=256,512 DTYPE=float32 bash eval/gpu_checks.sh   # plumbing, on a CPU
+#
+# Each step has its own time limit, so one slow step cannot starve the others.
+set -u -o pipefail
+OUT=${OUT:-results/gpu}
+DEVICE=${DEVICE:-cuda}
+SHAPE=${SHAPE:-llama-3.1-8b}
+LENGTHS=${LENGTHS:-8192,16384,32768}
+DTYPE=${DTYPE:-bfloat16}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+
+{
+  date -u +"%Y-%m-%d %H:%M UTC"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+  $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
+} 2>&1 | tee "$OUT/env.txt"
+
+step() {  # step NAME SECONDS CMD...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=$?
+  echo "== $name: rc $rc in $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || status=1
+}
+
+step pytest_cuda "${PYTEST_LIMIT:-240}" env SPARSEKV_TEST_DEVICE="$DEVICE" \
+  $PY -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs --durations=5
+step teacher "${TEACHER_LIMIT:-150}" $PY eval/bench_teacher.py --shape "$SHAPE" --device "$DEVICE" \
+  --dtype "$DTYPE" --lengths "$LENGTHS" --json "$OUT/teacher.json"
+step bench_gpu "${BENCH_LIMIT:-300}" $PY eval/bench_gpu.py --shape "$SHAPE" --device "$DEVICE" \
+  --dtype "$DTYPE" --lengths "$LENGTHS" --json "$OUT/bench_gpu.json"
+exit $status
