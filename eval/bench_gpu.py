@@ -10,8 +10,12 @@ seconds, decode tokens/s; then the largest batch that fits in `--memory-gib` of 
 estimated from the measured weight bytes, prefill working memory and KV bytes per sequence (the
 KV part is what eviction shrinks). Prints one Markdown table with ratios to the full cache.
 
-Prefill runs in chunks (`--chunk`) for every mode, so the full cache and the evicting cache pay
-for the same activations and differ only in what they keep.
+Modes: `dynamic` is transformers' own DynamicCache (no sparsekv: the baseline a user has today),
+`full` is SparseKVCache at budget 1.0 (its bookkeeping without eviction), `0.3` keeps 30% of the
+tokens (SnapKV scores), `0.3+int8` stores those as INT8. Prefill runs in chunks (`--chunk`) for
+every mode, so all pay for the same activations and differ only in what they keep. An untimed
+warm-up run per mode (`--warmup` tokens) comes first. `--profile N` adds, per run, what N more
+decode steps cost: kernels launched, device-busy and wall milliseconds per step.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ SHAPES = {
     ),
 }
 MODES = {
+    "dynamic": dict(budget=None, quantize=None, policy=None),  # transformers' own DynamicCache
     "full": dict(budget=1.0, quantize=None, policy="full"),
     "0.3": dict(budget=0.3, quantize=None, policy="snapkv"),
     "0.3+int8": dict(budget=0.3, quantize="int8", policy="snapkv"),
@@ -83,15 +88,48 @@ class Meter:
         return torch.cuda.memory_allocated() if self.cuda else 0
 
 
+def dynamic_kv_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+
+
 @torch.no_grad()
-def run_one(model, ids, mode: str, chunk: int, new_tokens: int, meter: Meter) -> dict:
+def profile_steps(model, cache, tok, steps: int, meter: Meter) -> dict:
+    """Where a decode step's time goes: kernels launched and device-busy time per step (from
+    torch.profiler) against the step's wall time. Busy far below wall = host-bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if meter.cuda else [])
+    t0 = meter.now()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            tok = model(input_ids=tok, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        meter.now()
+    wall = meter.now() - t0
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC"))
+    busy_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    return {"launches_per_step": launches / steps, "busy_ms_per_step": busy_us / 1e3 / steps,
+            "step_ms": wall * 1e3 / steps}
+
+
+def run_one(model, ids, mode: str, chunk: int, new_tokens: int, meter: Meter, profile: int = 0) -> dict:
     m = MODES[mode]
-    cfg = EvictionConfig(budget=m["budget"], quantize=m["quantize"], prefill_chunk=chunk, rerank_every=16)
-    cache = SparseKVCache(model, cfg, m["policy"])
+    if m["policy"] is None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+    else:
+        cfg = EvictionConfig(budget=m["budget"], quantize=m["quantize"], prefill_chunk=chunk, rerank_every=16)
+        cache = SparseKVCache(model, cfg, m["policy"])
     meter.reset()
     base = meter.allocated()
     t0 = meter.now()
-    out = model(input_ids=ids, cache=cache, logits_to_keep=1)
+    if m["policy"] is None:  # the same chunks as SparseKVCache's prefill hook
+        for s in range(0, ids.shape[1], chunk):
+            out = model(input_ids=ids[:, s : s + chunk], cache=cache, logits_to_keep=1)
+    else:
+        out = model(input_ids=ids, cache=cache, logits_to_keep=1)
     t1 = meter.now()
     prefill_peak = meter.peak() - base
     tok = out.logits[:, -1:].argmax(-1)
@@ -101,13 +139,16 @@ def run_one(model, ids, mode: str, chunk: int, new_tokens: int, meter: Meter) ->
     row = {
         "mode": mode,
         "length": ids.shape[1],
-        "kv_bytes": cache.kv_bytes(),
+        "kv_bytes": dynamic_kv_bytes(cache) if m["policy"] is None else cache.kv_bytes(),
         "peak_bytes": meter.peak(),
         "prefill_working_bytes": prefill_peak,
         "prefill_s": t1 - t0,
         "decode_tok_s": new_tokens / (t2 - t1),
     }
-    cache.close()
+    if profile:
+        row.update(profile_steps(model, cache, tok, profile, meter))
+    if m["policy"] is not None:
+        cache.close()
     return row
 
 
@@ -121,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--memory-gib", type=float, default=80.0, help="device memory for the batch estimate")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="profile STEPS more decode steps per run: kernel launches, device-busy ms, wall ms")
+    p.add_argument("--warmup", type=int, default=1024, help="tokens of an untimed first run per mode (0: none)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dtype = resolve_dtype(args.dtype, "--dtype")
@@ -134,10 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     gen = torch.Generator().manual_seed(0)
     rows = []
+    if args.warmup:  # kernels compiled, allocator and library handles set up before any timing
+        ids = torch.randint(0, model.config.vocab_size, (1, args.warmup), generator=gen).to(args.device)
+        for mode in modes:
+            run_one(model, ids, mode, args.chunk, 2, meter)
     for n in tqdm(lengths, desc=f"{args.shape} on {args.device}", unit="length"):
         ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(args.device)
         for mode in modes:
-            row = run_one(model, ids, mode, args.chunk, args.new_tokens, meter)
+            row = run_one(model, ids, mode, args.chunk, args.new_tokens, meter, args.profile)
             budget = args.memory_gib * 2**30 - weights - row["prefill_working_bytes"]
             row["max_batch_est"] = max(0, int(budget // max(row["kv_bytes"], 1)))
             rows.append(row)
@@ -147,11 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     print("| length | mode | KV MiB | KV vs full | peak MiB | prefill s | decode tok/s | max batch (est.) |")
     print("|---|---|---|---|---|---|---|---|")
     full = {r["length"]: r for r in rows if r["mode"] == "full"}
+    full = full or {r["length"]: r for r in rows if r["mode"] == "dynamic"}
     for r in rows:
         ref = full.get(r["length"])
         ratio = f"{r['kv_bytes'] / ref['kv_bytes']:.2f}x" if ref else "-"
         print(f"| {r['length']} | {r['mode']} | {r['kv_bytes'] / 2**20:.1f} | {ratio} | "
               f"{r['peak_bytes'] / 2**20:.0f} | {r['prefill_s']:.2f} | {r['decode_tok_s']:.1f} | {r['max_batch_est']} |")
+    if args.profile:
+        print(f"\nper decode step ({args.profile} profiled steps): kernels launched, device busy, wall")
+        print("| length | mode | kernels | busy ms | wall ms |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['length']} | {r['mode']} | {r['launches_per_step']:.0f} | {r['busy_ms_per_step']:.2f} | "
+                  f"{r['step_ms']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

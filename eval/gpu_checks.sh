@@ -7,7 +7,8 @@
 #   bash eval/gpu_checks.sh                                  # on a CUDA machine
 #   OUT=/tmp/gpu DEVICE=cpu SHAPE=tiny LENGTHS=256,512 DTYPE=float32 bash eval/gpu_checks.sh   # plumbing, on a CPU
 #
-# Each step has its own time limit, so one slow step cannot starve the others.
+# Each step has its own time limit, so one slow step cannot starve the others. STEPS picks steps
+# (default: all of pytest teacher bench fp16); PYTEST_K selects tests (-k), PYTEST_ARGS adds flags (-s).
 set -u -o pipefail
 OUT=${OUT:-results/gpu}
 DEVICE=${DEVICE:-cuda}
@@ -15,6 +16,7 @@ SHAPE=${SHAPE:-llama-3.1-8b}
 LENGTHS=${LENGTHS:-8192,16384,32768}
 DTYPE=${DTYPE:-bfloat16}
 PY=${PYTHON:-python3}
+STEPS=${STEPS:-pytest teacher bench fp16}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -37,10 +39,13 @@ step() {  # step NAME SECONDS CMD...
   [ "$rc" = 0 ] || status=1
 }
 
-step pytest_cuda "${PYTEST_LIMIT:-240}" env SPARSEKV_TEST_DEVICE="$DEVICE" \
-  $PY -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs --durations=5
-step teacher "${TEACHER_LIMIT:-150}" $PY eval/bench_teacher.py --shape "$SHAPE" --device "$DEVICE" \
-  --dtype "$DTYPE" --lengths "$LENGTHS" --json "$OUT/teacher.json"
-step bench_gpu "${BENCH_LIMIT:-300}" $PY eval/bench_gpu.py --shape "$SHAPE" --device "$DEVICE" \
-  --dtype "$DTYPE" --lengths "$LENGTHS" --json "$OUT/bench_gpu.json"
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+want pytest && step pytest_cuda "${PYTEST_LIMIT:-240}" env SPARSEKV_TEST_DEVICE="$DEVICE" \
+  $PY -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs --durations=5 ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-}
+want teacher && step teacher "${TEACHER_LIMIT:-150}" $PY eval/bench_teacher.py --shape "$SHAPE" \
+  --device "$DEVICE" --dtype "$DTYPE" --lengths "$LENGTHS" --json "$OUT/teacher.json"
+want bench && step bench_gpu "${BENCH_LIMIT:-300}" $PY eval/bench_gpu.py --shape "$SHAPE" --device "$DEVICE" \
+  --dtype "$DTYPE" --lengths "$LENGTHS" --profile 4 ${BENCH_ARGS:-} --json "$OUT/bench_gpu.json"
+want fp16 && step bench_gpu_fp16 "${FP16_LIMIT:-120}" $PY eval/bench_gpu.py --shape "$SHAPE" \
+  --device "$DEVICE" --dtype float16 --lengths "${LENGTHS%%,*}" --modes dynamic,0.3,0.3+int8
 exit $status
