@@ -25,7 +25,6 @@ CUDA = os.environ.get("SPARSEKV_TEST_DEVICE", "cuda")
 ON_GPU = CUDA.startswith("cuda")
 pytestmark = pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_cuda = pytest.mark.skipif(not ON_GPU, reason="CUDA-only check")
-HEURISTICS = [p for p in policies.available() if p != "learned"]
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -41,10 +40,6 @@ def _policy(name: str, model):
     return adapter.to(model.device).policy(blend=0.5, head_layer="first", kernel_size=3)
 
 
-def _all_policies():
-    return HEURISTICS + ["learned"]
-
-
 def _check_on_device(cache, dtype, quantized=False):
     for i in cache.budgeted_layers:
         layer = cache.layers[i]
@@ -57,7 +52,7 @@ def _check_on_device(cache, dtype, quantized=False):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name", _all_policies())
+@pytest.mark.parametrize("name", policies.available())  # every heuristic and learned
 def test_every_policy_decodes_on_cuda(family, name, dtype):
     model = tiny_model(family).to(CUDA, dtype)
     ids = _ids(2, 96)
