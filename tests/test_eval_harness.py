@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -389,12 +390,33 @@ def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
     cells = [[x.strip() for x in ln.strip("|").split("|")] for ln in "\n".join(lines).splitlines() if "@" in ln]
     table = {c[0]: c[1:] for c in cells}
     # a: passkey 100%, multikey 50% (vartrack: the full cache scores 0, left out) -> 75%
-    # with its 95% bootstrap interval: passkey stays 100%, multikey resamples to 0/50/100%
-    assert table["a @ 0.3"][:3] == ["75% (50-100%)", "0.267", "1/3"]
-    assert table["b @ 0.3"][:3] == ["0% (0-0%)", "0.267", "0/3"]  # 2/3 without the ablation
-    assert table["a, ablation @ 0.3"][:3] == ["0% (0-0%)", "0.05", "3/3"]
+    # with its 95% bootstrap interval: passkey stays 100%, multikey resamples to 0/50/100%.
+    # KL where the full cache is right: passkey 0.1, multikey 0.5 (vartrack: never right) -> 0.3
+    assert table["a @ 0.3"][:4] == ["75% (50-100%)", "0.267", "0.3", "1/3"]
+    assert table["b @ 0.3"][:4] == ["0% (0-0%)", "0.267", "0.35", "0/3"]  # 2/3 without the ablation
+    assert table["a, ablation @ 0.3"][:4] == ["0% (0-0%)", "0.05", "0.05", "3/3"]
     assert "variants of one policy" in lines[-2]
     assert "averaged over passkey, multikey" in lines[-2]
+
+
+def test_kl_where_the_full_cache_is_right_leaves_out_its_wrong_answers():
+    """A method that moves the model off a wrong full-cache answer has a large KL on that sample;
+    `kl_right` averages only the samples the full cache answers right (question tasks only)."""
+    from sparsekv.evaluation.report import summarize
+
+    def row(task, sid, policy, score, kl):
+        return {"source": "sparsekv", "task": task, "length": 512, "protocol": "aware", "sample_id": sid,
+                "policy": policy, "budget": 1.0 if policy == "full" else 0.1, "score": score, "kl": kl,
+                "kv_bytes_compressed": 100}
+
+    rows = [row("passkey", "p0", "full", 1.0, 0.0), row("passkey", "p1", "full", 0.0, 0.0),
+            row("passkey", "p2", "full", 1.0, 0.0), row("passkey", "p0", "m", 1.0, 0.02),
+            row("passkey", "p1", "m", 1.0, 0.9), row("passkey", "p2", "m", 0.0, 0.04),
+            row("ppl", "q0", "full", 1.0, 0.0), row("ppl", "q0", "m", 1.0, 0.3)]
+    got = {(s["task"], s["policy"]): s for s in summarize(rows)}
+    m = got[("passkey", "m")]
+    assert abs(m["kl"] - 0.32) < 1e-9 and abs(m["kl_right"] - 0.03) < 1e-9 and m["n_right"] == 2
+    assert math.isnan(got[("ppl", "m")]["kl_right"]) and got[("ppl", "m")]["n_right"] == 0  # not a question task
 
 
 def test_side_by_side_puts_both_protocols_and_every_budget_of_a_method_in_one_row():
@@ -414,9 +436,10 @@ def test_side_by_side_puts_both_protocols_and_every_budget_of_a_method_in_one_ro
     lines = "\n".join(side_by_side(summarize(rows))).splitlines()
     assert lines[0] == "## Side by side, 512 tokens"
     cells = {c[0]: c[1:] for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in lines if ln.startswith("| "))}
-    assert cells["method"][0] == "agnostic: retrieval share @ 0.1 / 0.3" and cells["method"][2].startswith("aware")
-    assert cells["a"] == ["50% / 100%", "0.5 / 0.25", "50% / 100%", "0.5 / 0.25"]
-    assert cells["ablation"] == ["- / 0%", "- / 1", "- / 0%", "- / 1"]
+    assert cells["method"][0] == "agnostic: retrieval share @ 0.1 / 0.3" and cells["method"][3].startswith("aware")
+    assert cells["method"][2] == "agnostic: KL where full is right @ 0.1 / 0.3"
+    assert cells["a"] == ["50% / 100%", "0.5 / 0.25", "0.5 / 0.25", "50% / 100%", "0.5 / 0.25", "0.5 / 0.25"]
+    assert cells["ablation"] == ["- / 0%", "- / 1", "- / 1", "- / 0%", "- / 1", "- / 1"]
 
 
 def test_report_only_needs_the_rows_not_the_prompts(run_dir, tmp_path, capsys):

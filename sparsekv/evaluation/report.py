@@ -11,6 +11,10 @@ per-task tables. The at-a-glance table's retrieval share comes with a 95% bootst
 samples are resampled (paired: a method's score with the full cache's on the same prompt),
 the share recomputed, 2,000 times with a fixed seed, and the 2.5th and 97.5th percentiles of the
 averaged share reported. It says how far the share can move with other prompts of the same kind.
+Next to the mean KL over tasks it gives the mean KL over the question tasks' samples that the full
+cache answers right (`kl_right`): KL(full || method) measures how far a method moves the model from
+the full cache's answer, and where that answer is wrong, moving towards the right one counts as
+divergence. The second number says which of the two a method's KL is made of.
 
 Plots, one figure per protocol and length, one panel per task:
 - `quality_<protocol>_<length>.png`: each task's quality number (accuracy, recall, perplexity,
@@ -36,7 +40,7 @@ from sparsekv.evaluation.tasks import TASKS
 
 SUMMARY_FIELDS = (
     "source", "task", "length", "protocol", "policy", "budget", "n", "errors", "score", "score_frac",
-    "kl", "kl_mean", "ppl", "top1", "agreement", "repetition", "kv_mib", "kv_mib_end", "kv_peak_mib", "kv_frac",
+    "kl", "kl_right", "n_right", "kl_mean", "ppl", "top1", "agreement", "repetition", "kv_mib", "kv_mib_end", "kv_peak_mib", "kv_frac",
     "peak_rss_mb", "prefill_s", "decode_tok_s",
 )
 _MIB = 2**20
@@ -80,6 +84,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kv_pol = mean([_num(r.get("kv_bytes_compressed")) for r, _ in paired])
         nll = mean([_num(r.get("nll")) for r in rs])
         pairs = [(_num(r.get("score")), _num(f.get("score"))) for r, f in paired]
+        spec = TASKS.get(task)
+        right = ([_num(r.get("kl")) for r, f in paired if _num(f.get("score")) >= 1.0]
+                 if spec and spec.kind == "answer" else [])
         out.append({
             "_pairs": [p for p in pairs if not (math.isnan(p[0]) or math.isnan(p[1]))],
             "source": source, "task": task, "length": length, "protocol": protocol, "policy": policy,
@@ -88,6 +95,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "score": mean(scores),
             "score_frac": pol_sum / ref_sum if paired and ref_sum > 0 else float("nan"),
             "kl": mean([_num(r.get("kl")) for r in rs]),
+            "kl_right": mean(right) if right else float("nan"), "n_right": len(right),
             "kl_mean": mean([_num(r.get("kl_mean")) for r in rs]),
             "ppl": math.exp(nll) if not math.isnan(nll) else float("nan"),
             "top1": mean([_num(r.get("top1")) for r in rs]),
@@ -176,7 +184,8 @@ def glance_stats(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple
     """Per method and budget of one protocol and length (the full cache left out): `share` (the
     retrieval accuracy as a share of the full cache's, averaged over the question tasks the full
     cache answers at all, NaN if none) with its 95% interval `lo`-`hi`, `kl` (the mean over every
-    task), `lowest` (in how many tasks it has the lowest KL of all methods at the same budget) of
+    task), `kl_right` (the mean over those question tasks of the KL on the samples the full cache
+    answers right), `lowest` (in how many tasks it has the lowest KL of all methods at the same budget) of
     `tasks_kl` (variants of one policy, e.g. its ablations, are not compared with each other), and
     `n` (samples). Returns those and the tasks the share averages over."""
     retrieval = [t for t in tasks if TASKS.get(t) and TASKS[t].kind == "answer"]
@@ -208,10 +217,12 @@ def glance_stats(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple
         if fracs and len(pairs) == len(fracs) and min(len(p) for p in pairs) > 1:
             lo, hi = share_interval(pairs)
         kls = [c["kl"] for c in cells.values() if c and not math.isnan(c["kl"])]
+        right = [cells[t]["kl_right"] for t in scored if cells[t] and not math.isnan(cells[t].get("kl_right", math.nan))]
         stats.append({
             "source": m[0], "policy": m[1], "budget": m[2], "name": _method(next(c for c in cells.values() if c)),
             "share": mean(fracs) if fracs else float("nan"), "lo": lo, "hi": hi,
             "kl": mean(kls) if kls else float("nan"), "tasks_kl": len(kls),
+            "kl_right": mean(right) if right else float("nan"),
             "lowest": sum(1 for t, c in cells.items() if lowest(c, m[2], t)),
             "n": min((c["n"] for c in cells.values() if c), default=0),
         })
@@ -234,14 +245,17 @@ def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx
     stats, scored = computed if computed is not None else glance_stats(ss, tasks, methods, idx)
     if not stats:
         return []
-    rows = [[st["name"], _share(st), _fmt(st["kl"]), f"{st['lowest']}/{st['tasks_kl']}", str(st["n"])]
-            for st in stats]
+    rows = [[st["name"], _share(st), _fmt(st["kl"]), _fmt(st["kl_right"]), f"{st['lowest']}/{st['tasks_kl']}",
+             str(st["n"])] for st in stats]
     note = (f"Retrieval: accuracy as a share of the full cache's, averaged over {', '.join(scored)} "
             "(the question tasks the full cache answers at least once)" if scored else
             "Retrieval: - (the full cache answers none of the question tasks here)")
     return ["At a glance:", "", _table(["method", "retrieval, share of full (95% interval)", "mean KL over tasks",
-                                         "lowest KL at its budget (tasks)", "samples"], rows), "",
-            f"{note}; KL: mean over {', '.join(tasks)}; the lowest-KL count compares each method with "
+                                         "KL where the full cache is right", "lowest KL at its budget (tasks)",
+                                         "samples"], rows), "",
+            f"{note}; KL: mean over {', '.join(tasks)}; KL where the full cache is right: the mean over "
+            f"{', '.join(scored) or '-'} of the KL on the samples the full cache answers right (all of a "
+            "multivalue's values); the lowest-KL count compares each method with "
             "every other policy at the same budget, task by task (variants of one policy, such as its "
             "ablations, are not compared with each other).", ""]
 
@@ -264,7 +278,7 @@ def _views(summary: list[dict[str, Any]]) -> OrderedDict[tuple, tuple]:
 
 def side_by_side(summary: list[dict[str, Any]], computed: dict[tuple, tuple] | None = None) -> list[str]:
     """Markdown lines of one table per length with every method in a row and, per protocol, its
-    retrieval share and mean KL at each of the grid's budgets ("x / y / z"; "-" where the method
+    retrieval share, mean KL and KL where the full cache is right at each of the grid's budgets ("x / y / z"; "-" where the method
     did not run at a budget): the whole comparison in one place. `computed`: `glance_stats` per
     (protocol, length) when the caller has it already."""
     if computed is None:
@@ -287,7 +301,7 @@ def side_by_side(summary: list[dict[str, Any]], computed: dict[tuple, tuple] | N
         head = ["method"]
         for pr in protocols:
             b = " / ".join(str(x) for x in grid)
-            head += [f"{pr}: retrieval share @ {b}", f"{pr}: mean KL @ {b}"]
+            head += [f"{pr}: retrieval share @ {b}", f"{pr}: mean KL @ {b}", f"{pr}: KL where full is right @ {b}"]
         rows = []
         for source, policy in order:
             name = policy if source == "sparsekv" else f"{policy} ({source})"
@@ -295,10 +309,12 @@ def side_by_side(summary: list[dict[str, Any]], computed: dict[tuple, tuple] | N
             for pr in protocols:
                 got = [per[pr].get((source, policy, b)) for b in grid]
                 row += [" / ".join(_share(st, interval=False) if st else "-" for st in got),
-                        " / ".join(_fmt(st["kl"]) if st else "-" for st in got)]
+                        " / ".join(_fmt(st["kl"]) if st else "-" for st in got),
+                        " / ".join(_fmt(st["kl_right"]) if st else "-" for st in got)]
             rows.append(row)
         out += [f"## Side by side, {length} tokens", "", _table(head, rows), "",
-                "Retrieval share and mean KL as in each protocol's at-a-glance table below (intervals there).", ""]
+                "Retrieval share and the two KL figures as in each protocol's at-a-glance table below "
+                "(intervals there).", ""]
     return out
 
 
