@@ -436,7 +436,9 @@ class ScorerAdapter:
             "With the question in the prompt, the defaults blend the head's scores with the attention "
             "of the prompt's last tokens. A context compressed before its question is known (a "
             "prefix cached for later questions) gains nothing from that window: pass `blend=0.0` "
-            "to `attach` (or `policy`) to rank by the head alone.",
+            "to `attach` (or `policy`) to rank by the head alone, and a wider `kernel_size` so that "
+            "a value's neighbours (the key it belongs to) stay with it: on gemma-3-270m, "
+            "`attach(model, blend=0.0, kernel_size=9)`.",
             "",
             "Loading it onto a model of another shape raises an error naming the mismatch.",
             "",
@@ -503,9 +505,12 @@ class ScorerAdapter:
         **eviction_kwargs: Any,
     ) -> Iterator[Attachment]:
         """Inside the `with` block, plain `model.generate(...)` runs with a fresh
-        `SparseKVCache(model, EvictionConfig(budget=..., ...), self.policy(blend=blend))` per call
-        (`blend` None: the adapter's recorded default)
-        (closed after the call). A call that passes its own `cache=` (or `past_key_values=`) is
+        `SparseKVCache(model, EvictionConfig(budget=..., ...), self.policy(blend=blend, ...))` per
+        call (closed after the call). Keyword arguments named in `POLICY_DEFAULTS` (`blend`,
+        `blend_mode`, `kernel_size`, `recency`, `head_layer`) go to the policy, unset ones taking
+        the adapter's recorded defaults; the others to `EvictionConfig`. A context compressed
+        before its question is known ranks best by the head alone with wider pooling:
+        `attach(model, blend=0.0, kernel_size=9)` (docs/learned-scorer.md, round 4). A call that passes its own `cache=` (or `past_key_values=`) is
         left alone. On exit `model.generate` and the model's attention implementation are
         restored, also after an error. Yields an `Attachment` (its `last_cache` is the most recent
         call's cache, for `kv_bytes()` and friends)."""
@@ -513,10 +518,13 @@ class ScorerAdapter:
         from sparsekv.config import EvictionConfig
 
         self.check_compatible(model)
+        settings = {k: eviction_kwargs.pop(k) for k in POLICY_DEFAULTS if k in eviction_kwargs}
+        if blend is not None:
+            settings["blend"] = blend
         config = EvictionConfig(
             budget=budget, schedule=schedule, rerank_every=rerank_every, **eviction_kwargs
         )
-        policy = self.policy() if blend is None else self.policy(blend=blend)
+        policy = self.policy(**settings)
         attachment = Attachment(model=model, config=config, policy=policy)
         had_own = "generate" in vars(model)
         own = vars(model).get("generate")

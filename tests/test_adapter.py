@@ -271,6 +271,20 @@ def test_attach_runs_generate_with_the_learned_cache():
     assert "generate" not in vars(model) and model.config._attn_implementation == "sdpa"
 
 
+def test_attach_passes_policy_settings_to_the_policy_and_the_rest_to_the_config():
+    model = tiny_model("llama")
+    adapter = ScorerAdapter.for_model(model)
+    with adapter.attach(model, budget=0.5, blend=0.0, kernel_size=9, sink_tokens=2) as att:
+        assert (att.policy.blend, att.policy.kernel_size) == (0.0, 9)
+        assert att.policy.blend_mode == adapter.config.blend_mode  # unset: the recorded default
+        assert att.config.sink_tokens == 2 and att.config.budget == 0.5
+    with adapter.attach(model) as att:
+        assert (att.policy.blend, att.policy.kernel_size) == (adapter.config.blend, adapter.config.kernel_size)
+    with pytest.raises(ValueError, match="kernel_size"), adapter.attach(model, kernel_size=4):
+        pass
+    assert "generate" not in vars(model)
+
+
 def test_attach_restores_generate_after_an_error():
     model = tiny_model("llama")
     adapter = ScorerAdapter.for_model(model)
