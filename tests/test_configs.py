@@ -108,7 +108,8 @@ def test_default_pipeline_evaluates_the_adapters_it_trains():
     learned = [p for p in cfg.policy_specs if p.name.startswith("learned:")]
     assert learned and cfg.samples == 3 and cfg.out == "results/p"
     assert {p.name for p in learned} == {"learned:checkpoints/new/final", "learned:checkpoints/new-perlayer/final"}
-    assert {p.label for p in learned if p.name.endswith("perlayer/final")} == {"learned, per-layer target"}
+    assert {p.label for p in learned if p.name.endswith("perlayer/final")} == {
+        "learned, per-layer target", "learned, per-layer target, kernel 9"}
     shipped = EvalConfig.from_yaml(ROOT / "configs" / "eval" / "learned-4k.yaml")
     assert [p.label for p in shipped.policy_specs] == [p.label for p in cfg.policy_specs]
 
@@ -120,7 +121,11 @@ def test_learned_4k_sets_up_learned_and_every_ablation_under_both_protocols():
 
     cfg = EvalConfig.from_yaml(ROOT / "configs" / "eval" / "learned-4k.yaml")
     under = {pr: {p.label: p for p in cfg.policy_specs if p.runs_under(pr)} for pr in ("agnostic", "aware")}
-    assert set(under["agnostic"]) - {"learned, window blend"} == set(under["aware"]) - {"learned, prior only", "learned, union blend"}
+    agnostic_only = {"learned, window blend", "learned, kernel 9", "learned, per-layer target, kernel 9"}
+    assert set(under["agnostic"]) - agnostic_only == set(under["aware"]) - {"learned, prior only", "learned, union blend"}
+    assert set(under["aware"]).isdisjoint(agnostic_only)
+    for label in ("learned, kernel 9", "learned, per-layer target, kernel 9"):  # round 4 of docs/learned-scorer.md
+        assert under["agnostic"][label].policy_kwargs == {"blend": 0.0, "kernel_size": 9}
     assert under["agnostic"]["learned"].policy_kwargs == {"blend": 0.0}
     assert under["aware"]["learned"].policy_kwargs == {}
     assert under["aware"]["learned, prior only"].policy_kwargs == {"blend": 0.0}
