@@ -510,10 +510,11 @@ class ScorerAdapter:
         `blend_mode`, `kernel_size`, `recency`, `head_layer`) go to the policy, unset ones taking
         the adapter's recorded defaults; the others to `EvictionConfig`. A context compressed
         before its question is known ranks best by the head alone with wider pooling:
-        `attach(model, blend=0.0, kernel_size=9)` (docs/learned-scorer.md, round 4). A call that passes its own `cache=` (or `past_key_values=`) is
-        left alone. On exit `model.generate` and the model's attention implementation are
-        restored, also after an error. Yields an `Attachment` (its `last_cache` is the most recent
-        call's cache, for `kv_bytes()` and friends)."""
+        `attach(model, blend=0.0, kernel_size=9)` (docs/learned-scorer.md, round 4). A call that
+        passes its own `cache=` (or `past_key_values=`) is left alone. On exit `model.generate`
+        and the model's attention implementation are restored, also after an error. Yields an
+        `Attachment` (its `last_cache` is the most recent call's cache, for `kv_bytes()` and
+        friends)."""
         from sparsekv.cache import SparseKVCache
         from sparsekv.config import EvictionConfig
 

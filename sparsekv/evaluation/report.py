@@ -185,8 +185,8 @@ def glance_stats(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple
     retrieval accuracy as a share of the full cache's, averaged over the question tasks the full
     cache answers at all, NaN if none) with its 95% interval `lo`-`hi`, `kl` (the mean over every
     task), `kl_right` (the mean over those question tasks of the KL on the samples the full cache
-    answers right), `lowest` (in how many tasks it has the lowest KL of all methods at the same budget) of
-    `tasks_kl` (variants of one policy, e.g. its ablations, are not compared with each other), and
+    answers right), `lowest` (in how many tasks it has the lowest KL of all methods at the same
+    budget) of `tasks_kl` (variants of one policy, e.g. its ablations, are not compared with each other), and
     `n` (samples). Returns those and the tasks the share averages over."""
     retrieval = [t for t in tasks if TASKS.get(t) and TASKS[t].kind == "answer"]
     full = {t: idx.get(("sparsekv", REFERENCE, 1.0, t)) for t in tasks}
@@ -217,7 +217,7 @@ def glance_stats(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple
         if fracs and len(pairs) == len(fracs) and min(len(p) for p in pairs) > 1:
             lo, hi = share_interval(pairs)
         kls = [c["kl"] for c in cells.values() if c and not math.isnan(c["kl"])]
-        right = [cells[t]["kl_right"] for t in scored if cells[t] and not math.isnan(cells[t].get("kl_right", math.nan))]
+        right = [cells[t]["kl_right"] for t in scored if cells[t] and not math.isnan(cells[t]["kl_right"])]
         stats.append({
             "source": m[0], "policy": m[1], "budget": m[2], "name": _method(next(c for c in cells.values() if c)),
             "share": mean(fracs) if fracs else float("nan"), "lo": lo, "hi": hi,
@@ -278,8 +278,8 @@ def _views(summary: list[dict[str, Any]]) -> OrderedDict[tuple, tuple]:
 
 def side_by_side(summary: list[dict[str, Any]], computed: dict[tuple, tuple] | None = None) -> list[str]:
     """Markdown lines of one table per length with every method in a row and, per protocol, its
-    retrieval share, mean KL and KL where the full cache is right at each of the grid's budgets ("x / y / z"; "-" where the method
-    did not run at a budget): the whole comparison in one place. `computed`: `glance_stats` per
+    retrieval share, mean KL and KL where the full cache is right at each of the grid's budgets
+    ("x / y / z"; "-" where the method did not run at a budget): the whole comparison in one place. `computed`: `glance_stats` per
     (protocol, length) when the caller has it already."""
     if computed is None:
         computed = {key: glance_stats(*view) for key, view in _views(summary).items()}
