@@ -456,6 +456,24 @@ class ScorerAdapter:
             ]
         return "\n".join(lines)
 
+    # ---- identity ------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """sha256 hex digest of what makes this adapter score the way it does: every head tensor
+        (name, dtype, shape and raw bytes, in sorted name order) and the scoring settings the
+        learned policy takes by default (`POLICY_DEFAULTS`, the "aware" use). File bytes, file
+        format and metadata (card, training config, version) do not enter it, so converting an
+        adapter folder keeps its fingerprint and changed weights change it. Eval rows record it."""
+        import hashlib
+
+        h = hashlib.sha256(b"sparsekv-adapter-fingerprint/1\n")
+        for name, t in sorted(self.head.state_dict().items()):
+            t = t.detach().to("cpu").contiguous()
+            h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}\n".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        settings = {k: getattr(self.config, k) for k in POLICY_DEFAULTS}
+        h.update(json.dumps(settings, sort_keys=True).encode())
+        return h.hexdigest()
+
     # ---- use -----------------------------------------------------------------------------
     def check_compatible(self, model_or_shape: nn.Module | ModelShape) -> None:
         """Raise ValueError naming the first field where the model's shape differs from the adapter's."""

@@ -345,3 +345,20 @@ def test_recency_prior_is_read_from_the_adapter_and_ranks_by_importance_times_de
         adapter.policy(recency=-1.0)
     with pytest.raises(ValueError, match="recency"):
         AdapterConfig(**{**adapter.config.__dict__, "recency": float("nan")})
+
+
+def test_fingerprint_follows_weights_and_settings_not_files(tmp_path):
+    adapter = _trained_like(ScorerAdapter.for_model(tiny_model("llama"), layers=[1, 3]))
+    fp = adapter.fingerprint()
+    assert len(fp) == 64 and int(fp, 16) >= 0
+    adapter.config.eval_table = "| a | b |"  # metadata does not count
+    adapter.config.training_config = {"lr": 1.0}
+    assert adapter.fingerprint() == fp
+    loaded = ScorerAdapter.from_pretrained(adapter.save_pretrained(tmp_path / "a"))
+    assert loaded.fingerprint() == fp
+    with torch.no_grad():
+        next(loaded.head.parameters()).view(-1)[0] += 1e-6
+    assert loaded.fingerprint() != fp
+    other = ScorerAdapter.from_pretrained(tmp_path / "a")
+    other.config.kernel_size = 9
+    assert other.fingerprint() != fp
