@@ -48,6 +48,13 @@ weighted mix of the received attention of `l` and of the layers after it:
 Targets are therefore distributions over the sequence: `(batch, kv_heads, seq)`, >= 0, each row
 summing to 1 over the real tokens (0 on padding). Only their ranking matters to the cache.
 
+**Signal.** `signal="questions"` (default) is everything above: the attention a token receives
+from the later queries of its own sequence (on the synthetic samples that includes the answer's
+attention to the needle). `"reconstruction"` and `"both"` ask the frozen model to repeat the
+context and read the attention the repeated copy pays back; `kind="kvzip_plus"` is KVzap's
+regression target on that same pass. Both live in `sparsekv.teacher_reconstruction`, which
+builds on the forward machinery here; `training_targets` there serves every signal.
+
 **Memory.** `attention_received` processes `block_size` queries at a time and only the keys
 they may see, so the extra memory is O(block_size x seq) per layer (O(block_size x window) on
 sliding layers); no `seq x seq` matrix is ever built. `collect_attention_stats` computes it from
@@ -61,7 +68,7 @@ post-RoPE queries and keys. The model's attention implementation is restored aft
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -76,6 +83,8 @@ CROSS_LAYER = ("cumulative", "per_layer")
 SOURCE_LAYERS = ("all", "budgeted", "all_budgeted")
 NORMALIZE = ("none", "length", "uniform")
 CROSS_HEAD = ("mean", "same")
+SIGNALS = ("questions", "reconstruction", "both")
+TARGET_KINDS = ("attention", "kvzip_plus")
 
 TEACHER_SDPA = "sparsekv_teacher"
 TEACHER_EAGER = "sparsekv_teacher_eager"
@@ -105,6 +114,19 @@ class TargetConfig:
     """Leave out the attention a token's own query pays to it (only later queries count)."""
     cross_head: str = "mean"
     """How later layers' KV heads map onto this layer's: "mean" over heads, or "same" index."""
+    signal: str = "questions"
+    """Whose attention makes the target: "questions" (the later queries of the sequence itself),
+    "reconstruction" (the queries of a teacher-forced repeat of the context, question-free; full-
+    attention layers only) or "both" (a mix of the two targets, weighted by
+    `reconstruction_weight`). See sparsekv.teacher_reconstruction."""
+    kind: str = "attention"
+    """"attention": the statistics above (stat, normalize, cross_layer, ...), a distribution per
+    row; "kvzip_plus": KVzap's regression target, per layer and KV head, log of the max over the
+    repeated copy's queries and the group's heads of attention x ||W_O^h v_i|| / ||h_j|| (needs
+    signal=reconstruction; the attention-statistic fields are then unused)."""
+    reconstruction_weight: float = 0.5
+    """Under signal=both: target = (1 - w) x questions target + w x reconstruction target, both
+    distributions over the sequence; in [0, 1]."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -113,6 +135,8 @@ class TargetConfig:
             ("source_layers", SOURCE_LAYERS),
             ("normalize", NORMALIZE),
             ("cross_head", CROSS_HEAD),
+            ("signal", SIGNALS),
+            ("kind", TARGET_KINDS),
         ):
             v = getattr(self, name)
             if v not in allowed:
@@ -125,6 +149,20 @@ class TargetConfig:
         self.decay = float(d)
         if not isinstance(self.exclude_self, bool):
             raise ValueError(f"exclude_self={self.exclude_self!r} must be true or false")
+        w = self.reconstruction_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 <= w <= 1.0):
+            raise ValueError(f"reconstruction_weight={w!r} must be a number in [0, 1]")
+        self.reconstruction_weight = float(w)
+        if self.kind == "kvzip_plus" and self.signal != "reconstruction":
+            raise ValueError(
+                f"kind='kvzip_plus' is read from the reconstruction pass: it needs "
+                f"signal='reconstruction', not signal={self.signal!r}"
+            )
+
+    @property
+    def log_scale(self) -> bool:
+        """True when targets are log scores (kvzip_plus), False when they are distributions."""
+        return self.kind == "kvzip_plus"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,6 +179,11 @@ class TargetConfig:
 
     def describe(self) -> str:
         """One line for model cards and logs."""
+        if self.kind == "kvzip_plus":
+            return (
+                "KVzip+ (KVzap): log max over the repeated copy's queries and the group's heads of "
+                "attention x ||W_O v|| / ||h||, per layer and KV head"
+            )
         if self.cross_layer == "per_layer":
             mix = "the layer's own attention only"
         else:
@@ -149,7 +192,13 @@ class TargetConfig:
                 f"later layers' KV heads: {self.cross_head}"
             )
         own = "excluding" if self.exclude_self else "including"
-        return f"attention {self.stat} ({self.normalize}-normalized, {own} self-attention); {mix}"
+        line = f"attention {self.stat} ({self.normalize}-normalized, {own} self-attention); {mix}"
+        if self.signal == "reconstruction":
+            return f"{line}; from the queries of a repeat of the context (full-attention layers)"
+        if self.signal == "both":
+            w = self.reconstruction_weight
+            return f"{line}; {1 - w:g} x later queries + {w:g} x a repeat of the context"
+        return line
 
 
 @dataclass
@@ -285,15 +334,18 @@ def attention_received(
 
 
 class _Collector:
-    """Per-forward state of `collect_attention_stats`, reached through a context variable."""
+    """Per-forward state of `teacher_forward`, reached through a context variable.
 
-    def __init__(self, layer_of: dict[int, int], layers: set[int], valid, target, block_size):
+    `compute(module, layer, query, key, value, hidden, kwargs)` runs inside the attention call of
+    every layer in `layers`; `hidden` is that layer's self_attn input `(batch, seq, hidden)`.
+    """
+
+    def __init__(self, layer_of: dict[int, int], layers: set[int], compute: Callable):
         self.layer_of = layer_of
         self.layers = layers
-        self.valid = valid
-        self.target = target
-        self.block_size = block_size
-        self.received: dict[int, torch.Tensor] = {}
+        self.compute = compute
+        self.seen: set[int] = set()
+        self.hidden: dict[int, torch.Tensor] = {}
 
 
 _ACTIVE: contextvars.ContextVar[_Collector | None] = contextvars.ContextVar(
@@ -312,21 +364,14 @@ def _teacher_attention(base: str, module, query, key, value, attention_mask, **k
     col = _ACTIVE.get()
     layer = col.layer_of.get(id(module)) if col is not None else None
     if layer is not None and layer in col.layers:
-        t = col.target
-        col.received[layer] = attention_received(
-            query,
-            key,
-            scaling=kwargs.get("scaling") or module.head_dim**-0.5,
-            softcap=kwargs.get("softcap"),
-            num_kv_groups=query.shape[1] // key.shape[1],
-            stat=t.stat,
-            block_size=col.block_size,
-            sliding_window=kwargs.get("sliding_window"),
-            key_padding=col.valid,
-            normalize=t.normalize,
-            exclude_self=t.exclude_self,
-        )
+        col.compute(module, layer, query, key, value, col.hidden.get(layer), kwargs)
+        col.seen.add(layer)
     return out
+
+
+def layer_scaling(module: nn.Module, kwargs: dict[str, Any]) -> float:
+    """The softmax scaling a layer's attention call uses (its own, else head_dim**-0.5)."""
+    return kwargs.get("scaling") or module.head_dim**-0.5
 
 
 def _register() -> None:
@@ -380,6 +425,70 @@ def _valid_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) ->
     return attention_mask.to(torch.bool)
 
 
+def teacher_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    compute: Callable,
+    *,
+    layers: Sequence[int],
+    hidden_layers: Sequence[int],
+) -> dict[int, torch.Tensor]:
+    """One frozen forward of `model` on `input_ids` `(batch, seq)` that calls
+    `compute(module, layer, query, key, value, hidden, kwargs)` from inside the attention of every
+    layer in `layers` (query `(batch, heads, seq, head_dim)` and key/value `(batch, kv_heads, seq,
+    head_dim)` after RoPE and norms; `hidden` `(batch, seq, hidden)` the layer's self_attn input;
+    `kwargs` the attention call's scaling, softcap, sliding_window). Returns the self_attn inputs
+    of `hidden_layers`, detached: layer -> `(batch, seq, hidden)`.
+
+    The forward runs under `torch.no_grad()` with `use_cache=False` and `logits_to_keep=1`, in
+    eval mode; the model's mode, attention implementation and hooks are restored afterwards.
+    """
+    shape = model_shape(model)
+    want, keep_hidden = set(layers), set(hidden_layers)
+    for name, chosen in (("layers", want), ("hidden_layers", keep_hidden)):
+        bad = sorted(x for x in chosen if not 0 <= x < shape.num_layers)
+        if bad:
+            raise ValueError(
+                f"{name} {bad} out of range for a model with {shape.num_layers} layers"
+            )
+    modules = attention_modules(model)
+    col = _Collector({id(m): i for i, m in enumerate(modules)}, want, compute)
+
+    def make_hook(idx: int):
+        def hook(module, args, kwargs):
+            h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            col.hidden[idx] = h.detach()
+
+        return hook
+
+    handles = [
+        m.register_forward_pre_hook(make_hook(i), with_kwargs=True)
+        for i, m in enumerate(modules)
+        if i in keep_hidden or i in want
+    ]
+    was_training = model.training
+    token = _ACTIVE.set(col)
+    try:
+        model.eval()
+        with teacher_attention(model), torch.no_grad():
+            model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=False,
+                logits_to_keep=1,
+            )
+    finally:
+        _ACTIVE.reset(token)
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    missing = sorted(want - col.seen)
+    if missing:
+        raise RuntimeError(f"no attention statistics were seen for layers {missing}")
+    return {i: col.hidden[i] for i in sorted(keep_hidden)}
+
+
 def collect_attention_stats(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -396,71 +505,57 @@ def collect_attention_stats(
     computed with `target.stat`, `target.normalize` and `target.exclude_self`;
     `hidden_states[l]` `(batch, seq, hidden)` for every layer in `hidden_layers` (default: all).
     `target` defaults to `TargetConfig()`. `attention_mask` `(batch, seq)`: 1 = real token (left or right padding both work).
-    The forward runs under `torch.no_grad()` with `use_cache=False` and `logits_to_keep=1`, in
-    eval mode; the model's mode, attention implementation and hooks are restored afterwards.
+    See `teacher_forward` for how the forward runs.
     """
     target = TargetConfig() if target is None else target
-    shape = model_shape(model)
-    all_layers = range(shape.num_layers)
-    want = set(all_layers if layers is None else layers)
-    keep_hidden = set(all_layers if hidden_layers is None else hidden_layers)
-    for name, chosen in (("layers", want), ("hidden_layers", keep_hidden)):
-        bad = sorted(x for x in chosen if not 0 <= x < shape.num_layers)
-        if bad:
-            raise ValueError(
-                f"{name} {bad} out of range for a model with {shape.num_layers} layers"
-            )
+    n_layers = model_shape(model).num_layers
     valid = _valid_mask(input_ids, attention_mask)
-    modules = attention_modules(model)
-    col = _Collector({id(m): i for i, m in enumerate(modules)}, want, valid, target, block_size)
-    hidden: dict[int, torch.Tensor] = {}
+    received: dict[int, torch.Tensor] = {}
 
-    def make_hook(idx: int):
-        def hook(module, args, kwargs):
-            h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            hidden[idx] = h.detach()
+    def compute(module, layer, query, key, value, hidden, kwargs):
+        received[layer] = attention_received(
+            query,
+            key,
+            scaling=layer_scaling(module, kwargs),
+            softcap=kwargs.get("softcap"),
+            num_kv_groups=query.shape[1] // key.shape[1],
+            stat=target.stat,
+            block_size=block_size,
+            sliding_window=kwargs.get("sliding_window"),
+            key_padding=valid,
+            normalize=target.normalize,
+            exclude_self=target.exclude_self,
+        )
 
-        return hook
-
-    handles = [
-        m.register_forward_pre_hook(make_hook(i), with_kwargs=True)
-        for i, m in enumerate(modules)
-        if i in keep_hidden
-    ]
-    was_training = model.training
-    token = _ACTIVE.set(col)
-    try:
-        model.eval()
-        with teacher_attention(model), torch.no_grad():
-            model(
-                input_ids=input_ids,
-                attention_mask=valid.long() if attention_mask is not None else None,
-                use_cache=False,
-                logits_to_keep=1,
-            )
-    finally:
-        _ACTIVE.reset(token)
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    missing = sorted(want - set(col.received))
-    if missing:
-        raise RuntimeError(f"no attention statistics were seen for layers {missing}")
-    return TeacherStats(received=col.received, hidden_states=hidden, valid=valid)
+    hidden = teacher_forward(
+        model,
+        input_ids,
+        valid.long() if attention_mask is not None else None,
+        compute,
+        layers=range(n_layers) if layers is None else layers,
+        hidden_layers=range(n_layers) if hidden_layers is None else hidden_layers,
+    )
+    return TeacherStats(received=received, hidden_states=hidden, valid=valid)
 
 
 # --------------------------------------------------------------------------- targets
 
 
-def source_layers(layer: int, target: TargetConfig, layer_types: Sequence[str]) -> list[int]:
-    """The layers whose statistics make up `layer`'s target, nearest first (`layer` itself first)."""
+def source_layers(
+    layer: int, target: TargetConfig, layer_types: Sequence[str], full_only: bool = False
+) -> list[int]:
+    """The layers whose statistics make up `layer`'s target, nearest first (`layer` itself first).
+
+    `full_only` (the reconstruction signal): sliding-window layers are left out whatever
+    `target.source_layers` says, since they cannot see a repeated copy; "all" then reads as
+    "budgeted"."""
     if target.cross_layer == "per_layer":
         return [layer]
     if target.source_layers == "all_budgeted":
         full = [i for i, t in enumerate(layer_types) if t == "full_attention" and i != layer]
         return [layer, *sorted(full, key=lambda i: (abs(i - layer), i))]
     later = range(layer + 1, len(layer_types))
-    if target.source_layers == "budgeted":
+    if target.source_layers == "budgeted" or full_only:
         later = [i for i in later if layer_types[i] == "full_attention"]
     return [layer, *later]
 
@@ -478,14 +573,16 @@ def cumulative_targets(
     layers: Sequence[int],
     target: TargetConfig,
     layer_types: Sequence[str],
+    full_only: bool = False,
 ) -> dict[int, torch.Tensor]:
     """The target of every layer in `layers`: layer -> `(batch, kv_heads, seq)`, rows summing to 1.
 
-    `received` must hold every layer in `source_layers(l, target, layer_types)` for each `l`.
+    `received` must hold every layer in `source_layers(l, target, layer_types, full_only)` for
+    each `l`.
     """
     out: dict[int, torch.Tensor] = {}
     for layer in layers:
-        sources = source_layers(layer, target, layer_types)
+        sources = source_layers(layer, target, layer_types, full_only)
         missing = [s for s in sources if s not in received]
         if missing:
             raise ValueError(f"the target of layer {layer} needs statistics of layers {missing}")
@@ -525,9 +622,15 @@ def teacher_targets(
 
     Returns `(targets, hidden_states)`: layer -> `(batch, kv_heads, seq)` target distributions
     and layer -> `(batch, seq, hidden)` self_attn inputs. Only the layers the targets need are
-    computed.
+    computed. This is `signal="questions"`; `sparsekv.teacher_reconstruction.training_targets`
+    serves every signal.
     """
     target = TargetConfig() if target is None else target
+    if target.signal != "questions":
+        raise ValueError(
+            f"teacher_targets computes signal='questions' only, not signal={target.signal!r}; "
+            "use sparsekv.teacher_reconstruction.training_targets"
+        )
     shape = model_shape(model)
     layers = list(default_layers(model) if layers is None else layers)
     needed = sorted({s for l in layers for s in source_layers(l, target, shape.layer_types)})
