@@ -1,166 +1,90 @@
 """Scorer adapters: a trained gating head packaged for one base model, saved, loaded and attached.
 
-This module owns the adapter format and its life cycle: building a fresh head for a model,
-saving/loading a folder, pushing to and pulling from the Hugging Face Hub, checking that a model
-has the shape the head was trained for, and applying the head to `model.generate`. It does not
-train (see `train.py`) and does not evict (see `sparsekv.cache`).
+This module owns the adapter's life cycle: building a fresh head for a model, saving and loading
+a folder (format: `sparsekv.adapter_format`; model card: `sparsekv.model_card`), pushing to and
+pulling from the Hugging Face Hub, its identity (`fingerprint`), checking that a model has the
+shape the head was trained for, and applying the head (and its optional LoRA,
+`sparsekv.adapter_lora`) to `model.generate`. It does not train (see `train.py`) and does not
+evict (see `sparsekv.cache`).
 
-An adapter folder holds three files, never a pickle:
+A folder holds `config.json` (type tag, format version 2, the base model's shape, the target, the
+learned policy's settings per use), `model.safetensors` (the head), `README.md` (the card) and
+optionally `lora/` (a standard PEFT LoRA folder). Format-1 folders (`adapter_config.json` +
+`adapter_model.safetensors`) still load. Saving is atomic (a temporary sibling renamed into place).
 
-- `adapter_model.safetensors`: the `GatingHead` state dict (float32; keys `heads.<layer>.<i>.*`);
-- `adapter_config.json`: `AdapterConfig`: the base model's id and shape (model type, layers, KV
-  heads, head dim, hidden size), the budgeted layers the head scores, the head's kind and width,
-  the teacher target definition (`sparsekv.teacher.TargetConfig`), the sparsekv version, and
-  optionally the training config and an evaluation table;
-- `README.md`: a generated model card (Hub metadata, the shape, the target, the training config
-  and evaluation table when present, and how to use it).
+Uses: the settings that serve a kind of use are recorded in the adapter and applied by naming it:
+`"aware"` (the default: the question is in the prompt when the cache is compressed),
+`"agnostic"` (a context compressed before its question), optionally `"decode"`.
 
-`save_pretrained` writes into a temporary sibling folder and renames it into place; an existing
-folder is first renamed aside and deleted only after the new one is in place, so a reader sees
-the old adapter, the new one, or (for an instant) none, never a mix.
+LoRA: `adapter.save_pretrained(folder, lora=peft_model)` (a trained `peft.PeftModel`, a
+`LoraWeights`, or a PEFT folder) stores a LoRA of the base model beside the head, in `lora/`;
+`from_pretrained` loads it into `adapter.lora`; `attach` injects it into the model for the
+`with` block and removes it on exit (the model's outputs afterwards are bitwise those from
+before); `attach(..., lora=False)` runs the head alone.
 
 Usage::
 
     adapter = ScorerAdapter.from_pretrained("user/gemma3-270m-sparsekv")   # Hub id or folder
     with adapter.attach(model, budget=0.3, schedule="pyramid", rerank_every=16):
         out = model.generate(**inputs, max_new_tokens=64)
+    with adapter.attach(model, use="agnostic", budget=0.3):   # context compressed first
+        ...
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from sparsekv.adapter_format import (
+    ADAPTER_FILES,
+    CARD_NAME,
+    CONFIG_NAME,
+    FORMAT_VERSION,
+    LEGACY_CONFIG_NAME,
+    LEGACY_WEIGHTS_NAME,
+    LORA_DIR,
+    POLICY_DEFAULTS,
+    USES,
+    WEIGHTS_NAME,
+    AdapterConfig,
+    folder_files,
+    hash_tensors,
+    read_config,
+    read_weights,
+    write_files,
+    write_folder,
+)
+from sparsekv.adapter_lora import LoraWeights, apply_lora, as_lora
+from sparsekv.cache import SparseKVCache
+from sparsekv.config import EvictionConfig
 from sparsekv.families import ModelShape, model_shape, text_config
-from sparsekv.scorer import KINDS, GatingHead
+from sparsekv.policies import get as get_policy
+from sparsekv.policies.learned import LearnedPolicy, set_scorer_loader
+from sparsekv.scorer import GatingHead
 from sparsekv.teacher import TargetConfig, default_layers
 
-WEIGHTS_NAME = "adapter_model.safetensors"
-CONFIG_NAME = "adapter_config.json"
-CARD_NAME = "README.md"
-ADAPTER_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
-FORMAT_VERSION = 1
-POLICY_DEFAULTS = ("recency", "kernel_size", "blend", "blend_mode", "head_layer")
-"""AdapterConfig fields that are the learned policy's defaults (they do not change training)."""
+__all__ = [
+    "ADAPTER_FILES", "CARD_NAME", "CONFIG_NAME", "FORMAT_VERSION", "POLICY_DEFAULTS", "USES",
+    "WEIGHTS_NAME", "AdapterConfig", "Attachment", "LoraWeights", "ScorerAdapter",
+]
 
 
 def _version() -> str:
     from sparsekv import __version__
 
     return __version__
-
-
-@dataclass
-class AdapterConfig:
-    """What an adapter records about itself and the model it was trained for (JSON round trip)."""
-
-    model_type: str
-    """transformers `model_type` of the base model's text config (e.g. "gemma3_text", "llama")."""
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    layers: list[int]
-    """The budgeted layers the head has a module for (sorted)."""
-    base_model_id: str | None = None
-    """Hub id (or path) of the base model, for the record and the model card."""
-    kind: str = "mlp"
-    """Head module per layer: "linear" or "mlp"."""
-    hidden: int = 64
-    """Width of the MLP's hidden layer (unused for "linear")."""
-    target: dict[str, Any] = field(default_factory=lambda: TargetConfig().to_dict())
-    """The teacher target definition (`TargetConfig.to_dict()`)."""
-    recency: float = 0.0
-    """Recency prior the learned policy adds at inference: `recency * position / 1000` on top of
-    the head's logit. The head's logits are log-importances (it is trained with a softmax over
-    positions), so this ranks tokens by importance x exp(-age * recency / 1000): a token 1,000
-    positions older must be e**recency times more important to be kept. The ranking it implies
-    does not change as decoding proceeds, so each token is still scored once. 0 = head alone."""
-    kernel_size: int = 1
-    """Max-pooling width (odd) the learned policy applies to the head's scores of tokens that
-    enter the cache together, so a needle split into several tokens survives whole. 1 = none."""
-    blend: float = 0.0
-    """The learned policy's default weight of observed attention (see `blend_mode`), in [0, 1]."""
-    blend_mode: str = "mix"
-    """How the learned policy combines the head's prior with observed attention: "mix" or "max"."""
-    head_layer: str = "own"
-    """Which head scores each budgeted layer in the learned policy: "own" (its own module on its
-    own attention inputs) or "first" (the first budgeted layer's module, once per token, shared
-    by all budgeted layers)."""
-    sparsekv_version: str = field(default_factory=_version)
-    training_config: dict[str, Any] | None = None
-    """The resolved training config, when the adapter was trained with `train.py`."""
-    eval_table: str | None = None
-    """A Markdown evaluation table for the model card."""
-    format_version: int = FORMAT_VERSION
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "hidden"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an int >= 1")
-        if not isinstance(self.model_type, str) or not self.model_type:
-            raise ValueError(f"model_type={self.model_type!r} must be a non-empty string")
-        layers = list(self.layers) if isinstance(self.layers, (list, tuple)) else None
-        if (
-            not layers
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
-            or len(set(layers)) != len(layers)
-            or not all(0 <= x < self.num_layers for x in layers)
-        ):
-            raise ValueError(
-                f"layers={self.layers!r} must be a non-empty list of distinct layer indices in [0, {self.num_layers})"
-            )
-        self.layers = sorted(layers)
-        if self.kind not in KINDS:
-            raise ValueError(
-                f"kind={self.kind!r} is not supported; allowed values: {', '.join(KINDS)}"
-            )
-        if isinstance(self.target, TargetConfig):
-            self.target = self.target.to_dict()
-        if not isinstance(self.target, dict):
-            raise ValueError(f"target={self.target!r} must be a TargetConfig dict")
-        self.target = TargetConfig.from_dict(self.target).to_dict()  # validates, fills defaults
-        from sparsekv.policies.learned import check_settings
-
-        for k, v in check_settings(**{k: getattr(self, k) for k in POLICY_DEFAULTS}).items():
-            setattr(self, k, v)
-        if self.training_config is not None and not isinstance(self.training_config, dict):
-            raise ValueError("training_config must be a dict or None")
-        if self.eval_table is not None and not isinstance(self.eval_table, str):
-            raise ValueError("eval_table must be a Markdown string or None")
-        if self.format_version != FORMAT_VERSION:
-            raise ValueError(
-                f"format_version={self.format_version!r}: this sparsekv reads adapter format {FORMAT_VERSION}"
-            )
-
-    @property
-    def target_config(self) -> TargetConfig:
-        return TargetConfig.from_dict(self.target)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AdapterConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown AdapterConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}"
-            )
-        return cls(**d)
 
 
 # fields compared by check_compatible, with the words used in its error messages
@@ -200,9 +124,10 @@ class Attachment:
 
 
 class ScorerAdapter:
-    """A `GatingHead` (`.head`) plus its `AdapterConfig` (`.config`)."""
+    """A `GatingHead` (`.head`), its `AdapterConfig` (`.config`) and optionally a LoRA of the base
+    model (`.lora`, a `LoraWeights`)."""
 
-    def __init__(self, head: GatingHead, config: AdapterConfig):
+    def __init__(self, head: GatingHead, config: AdapterConfig, lora: LoraWeights | None = None):
         if (
             head.layers != config.layers
             or head.kind != config.kind
@@ -221,8 +146,15 @@ class ScorerAdapter:
             )
         self.head = head
         self.config = config
+        self.lora: LoraWeights | None = None
+        self.set_lora(lora)
 
-    # ---- construction --------------------------------------------------------------------
+    def set_lora(self, lora: Any) -> None:
+        """Carry `lora` (None, a `LoraWeights`, a `peft.PeftModel` or a PEFT folder) beside the
+        head; `save_pretrained` writes it into `lora/` and `attach` applies it."""
+        self.lora = as_lora(lora)
+        self.config.lora = LORA_DIR if self.lora is not None else None
+
     @classmethod
     def for_model(
         cls,
@@ -261,94 +193,92 @@ class ScorerAdapter:
         return cls(head, config)
 
     # ---- files ---------------------------------------------------------------------------
-    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
-        """Write the adapter folder (weights, config, model card) atomically; returns its path."""
-        from safetensors.torch import save_file
+    def save_pretrained(self, save_directory: str | os.PathLike, lora: Any = None) -> Path:
+        """Write the adapter folder (format 2: `config.json`, `model.safetensors`, `README.md`,
+        and `lora/` when the adapter carries a LoRA) atomically; returns its path. `lora` (a
+        `peft.PeftModel`, a `LoraWeights` or a PEFT folder) is first attached to this adapter
+        (`set_lora`). Two saves of the same adapter write the same weight bytes."""
+        if lora is not None:
+            self.set_lora(lora)
+        state = {
+            k: v.detach().to("cpu", torch.float32).contiguous()
+            for k, v in self.head.state_dict().items()
+        }
 
-        target = Path(save_directory).expanduser()
-        if target.exists() and not target.is_dir():
-            raise ValueError(f"save_directory={str(target)!r} exists and is not a folder")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        old = None
-        try:
-            os.chmod(tmp, 0o755)
-            state = {
-                k: v.detach().to("cpu", torch.float32).contiguous()
-                for k, v in self.head.state_dict().items()
-            }
-            save_file(
-                state,
-                str(tmp / WEIGHTS_NAME),
-                metadata={"format": "pt", "sparsekv_version": _version()},
-            )
-            (tmp / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-            (tmp / CARD_NAME).write_text(self.model_card())
-            if target.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-                os.rename(target, old / "adapter")
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        return target
+        def fill(tmp: Path) -> None:
+            write_files(tmp, self.config, state, self.model_card())
+            if self.lora is not None:
+                self.lora.save(tmp / LORA_DIR)
+
+        return write_folder(Path(save_directory), fill)
 
     @classmethod
     def from_pretrained(
         cls,
         path_or_repo_id: str | os.PathLike,
+        *,
         revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        subfolder: str | None = None,
         token: str | bool | None = None,
+        force_download: bool = False,
     ) -> ScorerAdapter:
-        """Load from a local adapter folder, else from a Hub repo (`huggingface_hub.snapshot_download`,
-        which honours `HF_HUB_OFFLINE=1` by using only the local Hub cache)."""
-        from safetensors.torch import load_file
-
-        folder = Path(path_or_repo_id).expanduser()
-        if not folder.is_dir():
-            if folder.exists():
-                raise ValueError(
-                    f"{str(path_or_repo_id)!r} is a file; expected an adapter folder or a Hub repo id"
-                )
-            folder = cls._download(str(path_or_repo_id), revision, token)
-        missing = [n for n in (WEIGHTS_NAME, CONFIG_NAME) if not (folder / n).is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"{folder} is not a sparsekv adapter folder: missing {', '.join(missing)}"
+        """Load from a local adapter folder, else from a Hub repo (`huggingface_hub.snapshot_download`
+        with the given `revision`, `cache_dir`, `local_files_only`, `token`, `force_download`;
+        `HF_HUB_OFFLINE=1` searches only the local Hub cache). `subfolder`: the adapter's folder
+        inside the local folder or the repo. Reads format 2 and format 1. Raises ValueError naming
+        the file for a damaged config or weights file (see `sparsekv.adapter_format`)."""
+        if subfolder is not None and (not isinstance(subfolder, str) or subfolder.startswith(("/", ".."))):
+            raise ValueError(f"subfolder={subfolder!r} must be a relative path inside the folder or repo")
+        root = Path(path_or_repo_id).expanduser()
+        if root.is_dir():
+            folder = root / subfolder if subfolder else root
+        elif root.exists():
+            raise ValueError(
+                f"{str(path_or_repo_id)!r} is a file; expected an adapter folder or a Hub repo id"
             )
-        try:
-            config = AdapterConfig.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"invalid {folder / CONFIG_NAME}: {e}") from e
-        head = GatingHead(
-            config.hidden_size,
-            config.num_kv_heads,
-            config.layers,
-            kind=config.kind,
-            hidden=config.hidden,
-        )
-        state = load_file(str(folder / WEIGHTS_NAME))
+        else:
+            snap = cls._download(str(path_or_repo_id), revision=revision, cache_dir=cache_dir,
+                                 local_files_only=local_files_only, subfolder=subfolder, token=token,
+                                 force_download=force_download)
+            folder = snap / subfolder if subfolder else snap
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} is not a folder (subfolder={subfolder!r})")
+        config_path, weights_path, version = folder_files(folder)
+        config = read_config(config_path, version)
+        state = read_weights(weights_path, config)  # header checked before any tensor is read
+        head = GatingHead(config.hidden_size, config.num_kv_heads, config.layers, kind=config.kind,
+                          hidden=config.hidden)
         try:
             head.load_state_dict(state, strict=True)
         except RuntimeError as e:
-            raise ValueError(f"{folder / WEIGHTS_NAME} does not match {CONFIG_NAME}: {e}") from e
+            raise ValueError(f"{weights_path} does not match {config_path.name}: {e}") from e
         head.eval()
-        return cls(head, config)
+        lora = None
+        if config.lora is not None:
+            if not (folder / config.lora).is_dir():
+                raise FileNotFoundError(f"{config_path} names a LoRA subfolder {config.lora!r} that "
+                                        f"{folder} does not have")
+            lora = LoraWeights.from_folder(folder / config.lora)
+        return cls(head, config, lora=lora)
 
     @staticmethod
-    def _download(repo_id: str, revision: str | None, token: str | bool | None) -> Path:
+    def _download(repo_id: str, **kwargs: Any) -> Path:
         from huggingface_hub import constants, snapshot_download
 
+        sub = kwargs.pop("subfolder")
+        prefix = f"{sub.strip('/')}/" if sub else ""
+        names = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME)
+        patterns = [prefix + n for n in names] + [f"{prefix}{LORA_DIR}/*"]
         try:
             return Path(
                 snapshot_download(
                     repo_id,
-                    revision=revision,
-                    token=token,
-                    allow_patterns=list(ADAPTER_FILES),
+                    allow_patterns=patterns,
                     library_name="sparsekv",
                     library_version=_version(),
+                    **kwargs,
                 )
             )
         except Exception as e:  # HF raises many kinds: invalid id, offline, not found, network
@@ -386,92 +316,26 @@ class ScorerAdapter:
             )
 
     def model_card(self) -> str:
-        """The README.md written beside the weights (Hub metadata + description)."""
-        from huggingface_hub import ModelCardData
+        """The README.md written beside the weights (`sparsekv.model_card.build_card`)."""
+        from sparsekv.model_card import build_card
 
-        c = self.config
-        meta = ModelCardData(
-            library_name="sparsekv",
-            base_model=c.base_model_id
-            if c.base_model_id and "/" in c.base_model_id and not os.path.isabs(c.base_model_id)
-            else None,
-            tags=["sparsekv", "kv-cache", "kv-cache-eviction"],
-        )
-        base = c.base_model_id or "(unrecorded base model)"
-        lines = [
-            "---",
-            meta.to_yaml(),
-            "---",
-            "",
-            f"# sparsekv scorer for {base}",
-            "",
-            (
-                "A gating head trained with sparsekv on the frozen base model: it scores every token "
-                "as it enters the KV cache so that an evicting cache keeps what the model will attend "
-                "to and frees the rest."
-            ),
-            "",
-            "| field | value |",
-            "| --- | --- |",
-            f"| base model | `{base}` ({c.model_type}) |",
-            f"| shape | {c.num_layers} layers, {c.num_kv_heads} KV heads, head dim {c.head_dim}, hidden size {c.hidden_size} |",
-            f"| scored layers | {', '.join(map(str, c.layers))} |",
-            f"| head | {c.kind}"
-            + (f", hidden {c.hidden}" if c.kind == "mlp" else "")
-            + f", {self.head.num_parameters():,} parameters |",
-            f"| target | {c.target_config.describe()} |",
-            f"| policy defaults | blend {c.blend:g} ({c.blend_mode}), head_layer {c.head_layer}, "
-            f"kernel_size {c.kernel_size}, recency {c.recency:g} |",
-            f"| sparsekv | {c.sparsekv_version} |",
-            "",
-            "## Usage",
-            "",
-            "```python",
-            "from sparsekv import ScorerAdapter",
-            'adapter = ScorerAdapter.from_pretrained("<this repo id or folder>")',
-            'with adapter.attach(model, budget=0.3, schedule="pyramid", rerank_every=16):',
-            "    out = model.generate(**inputs, max_new_tokens=64)",
-            "```",
-            "",
-            "With the question in the prompt, the defaults blend the head's scores with the attention "
-            "of the prompt's last tokens. A context compressed before its question is known (a "
-            "prefix cached for later questions) gains nothing from that window: pass `blend=0.0` "
-            "to `attach` (or `policy`) to rank by the head alone, and a wider `kernel_size` so that "
-            "a value's neighbours (the key it belongs to) stay with it: on gemma-3-270m, "
-            "`attach(model, blend=0.0, kernel_size=9)`.",
-            "",
-            "Loading it onto a model of another shape raises an error naming the mismatch.",
-            "",
-        ]
-        if c.eval_table:
-            lines += ["## Evaluation", "", c.eval_table.strip(), ""]
-        if c.training_config:
-            lines += [
-                "## Training config",
-                "",
-                "```json",
-                json.dumps(c.training_config, indent=2, sort_keys=True, default=str),
-                "```",
-                "",
-            ]
-        return "\n".join(lines)
+        lora_params = self.lora.num_parameters() if self.lora is not None else None
+        return build_card(self.config, self.head.num_parameters(), lora_params)
 
     # ---- identity ------------------------------------------------------------------------
     def fingerprint(self) -> str:
         """sha256 hex digest of what makes this adapter score the way it does: every head tensor
-        (name, dtype, shape and raw bytes, in sorted name order) and the scoring settings the
-        learned policy takes by default (`POLICY_DEFAULTS`, the "aware" use). File bytes, file
-        format and metadata (card, training config, version) do not enter it, so converting an
+        (name, dtype, shape and raw bytes, in sorted name order), the scoring settings the
+        learned policy takes by default (`POLICY_DEFAULTS`, the "aware" use) and, when the
+        adapter carries one, its LoRA's tensors. File bytes, file format and metadata (card,
+        training config, version, the other uses' settings) do not enter it, so converting an
         adapter folder keeps its fingerprint and changed weights change it. Eval rows record it."""
-        import hashlib
-
-        h = hashlib.sha256(b"sparsekv-adapter-fingerprint/1\n")
-        for name, t in sorted(self.head.state_dict().items()):
-            t = t.detach().to("cpu").contiguous()
-            h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}\n".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h = hash_tensors(hashlib.sha256(b"sparsekv-adapter-fingerprint/1\n"), self.head.state_dict())
         settings = {k: getattr(self.config, k) for k in POLICY_DEFAULTS}
         h.update(json.dumps(settings, sort_keys=True).encode())
+        if self.lora is not None:
+            h.update(b"lora\n")
+            hash_tensors(h, self.lora.state)
         return h.hexdigest()
 
     # ---- use -----------------------------------------------------------------------------
@@ -505,12 +369,15 @@ class ScorerAdapter:
         with torch.no_grad():
             return self.head.forward_layer(layer_idx, hidden_states)
 
-    def policy(self, **kwargs):
-        """The "learned" policy backed by this adapter; unset arguments (blend, blend_mode,
-        recency, kernel_size) take the defaults recorded in `config`."""
-        from sparsekv import policies
+    def settings(self, use: str | None = None) -> dict[str, Any]:
+        """The learned-policy settings recorded for `use` ("aware" when None, "agnostic", "decode"
+        when recorded); an unrecorded use is a ValueError naming the recorded ones."""
+        return self.config.settings(use)
 
-        return policies.get("learned", adapter=self, **kwargs)
+    def policy(self, use: str | None = None, **kwargs: Any) -> LearnedPolicy:
+        """The "learned" policy backed by this adapter; unset settings (blend, blend_mode,
+        recency, kernel_size, head_layer) take those recorded for `use` (default "aware")."""
+        return get_policy("learned", adapter=self, use=use, **kwargs)
 
     @contextmanager
     def attach(
@@ -520,61 +387,69 @@ class ScorerAdapter:
         schedule: str | list[float] = "pyramid",
         rerank_every: int = 16,
         blend: float | None = None,
+        use: str | None = None,
+        lora: bool = True,
         **eviction_kwargs: Any,
     ) -> Iterator[Attachment]:
         """Inside the `with` block, plain `model.generate(...)` runs with a fresh
-        `SparseKVCache(model, EvictionConfig(budget=..., ...), self.policy(blend=blend, ...))` per
-        call (closed after the call). Keyword arguments named in `POLICY_DEFAULTS` (`blend`,
-        `blend_mode`, `kernel_size`, `recency`, `head_layer`) go to the policy, unset ones taking
-        the adapter's recorded defaults; the others to `EvictionConfig`. A context compressed
-        before its question is known ranks best by the head alone with wider pooling:
-        `attach(model, blend=0.0, kernel_size=9)` (docs/learned-scorer.md, round 4). A call that
-        passes its own `cache=` (or `past_key_values=`) is left alone. On exit `model.generate`
-        and the model's attention implementation are restored, also after an error. Yields an
-        `Attachment` (its `last_cache` is the most recent call's cache, for `kv_bytes()` and
-        friends)."""
-        from sparsekv.cache import SparseKVCache
-        from sparsekv.config import EvictionConfig
-
+        `SparseKVCache(model, EvictionConfig(budget=..., ...), self.policy(use, ...))` per call
+        (closed after the call). `use` ("aware" by default, "agnostic" for a context compressed
+        before its question, "decode" when recorded) picks the recorded settings; keyword
+        arguments named in `POLICY_DEFAULTS` (`blend`, `blend_mode`, `kernel_size`, `recency`,
+        `head_layer`) override them, the others go to `EvictionConfig`. When the adapter carries
+        a LoRA and `lora` is True, it is injected into the model for the block and removed on
+        exit. A call that passes its own `cache=` (or `past_key_values=`) is left alone. On exit
+        `model.generate`, the LoRA and the model's attention implementation are restored, also
+        after an error. Yields an `Attachment` (its `last_cache` is the most recent call's
+        cache, for `kv_bytes()` and friends)."""
         self.check_compatible(model)
+        if not isinstance(lora, bool):
+            raise ValueError(f"lora={lora!r} must be True (apply the adapter's LoRA, if any) or False")
         settings = {k: eviction_kwargs.pop(k) for k in POLICY_DEFAULTS if k in eviction_kwargs}
         if blend is not None:
             settings["blend"] = blend
         config = EvictionConfig(
             budget=budget, schedule=schedule, rerank_every=rerank_every, **eviction_kwargs
         )
-        policy = self.policy(**settings)
+        policy = self.policy(use=use, **settings)
         attachment = Attachment(model=model, config=config, policy=policy)
         had_own = "generate" in vars(model)
         own = vars(model).get("generate")
-        original = model.generate
         attn_before = text_config(model)._attn_implementation
+        with ExitStack() as stack:
+            if lora and self.lora is not None:
+                stack.enter_context(apply_lora(model, self.lora))
+            original = model.generate
 
-        @functools.wraps(original)
-        def generate(*args: Any, **kwargs: Any):
-            if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-                return original(*args, **kwargs)
-            cache = SparseKVCache(model, config, policy)
-            attachment.last_cache = cache
+            @functools.wraps(original)
+            def generate(*args: Any, **kwargs: Any):
+                if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+                    return original(*args, **kwargs)
+                cache = SparseKVCache(model, config, policy)
+                attachment.last_cache = cache
+                try:
+                    return original(*args, cache=cache, **kwargs)
+                finally:
+                    cache.close()
+
+            model.generate = generate
             try:
-                return original(*args, cache=cache, **kwargs)
+                yield attachment
             finally:
-                cache.close()
-
-        model.generate = generate
-        try:
-            yield attachment
-        finally:
-            if had_own:
-                model.generate = own
-            else:
-                del model.generate
-            if text_config(model)._attn_implementation != attn_before and attn_before is not None:
-                model.set_attn_implementation(attn_before)
+                if had_own:
+                    model.generate = own
+                else:
+                    del model.generate
+                if text_config(model)._attn_implementation != attn_before and attn_before is not None:
+                    model.set_attn_implementation(attn_before)
 
     def __repr__(self) -> str:
         c = self.config
+        lora = f", lora={self.lora.num_parameters():,} parameters" if self.lora is not None else ""
         return (
             f"ScorerAdapter(base_model_id={c.base_model_id!r}, layers={c.layers}, kind={c.kind!r}, "
-            f"parameters={self.head.num_parameters():,})"
+            f"parameters={self.head.num_parameters():,}{lora})"
         )
+
+
+set_scorer_loader(ScorerAdapter.from_pretrained)  # policies.get("learned:<folder or repo>")

@@ -441,6 +441,7 @@ class SparseKVCache(Cache):
         if record and self.policy.evicts:
             raise ValueError(f"record=... needs the 'full' policy (nothing evicted), got {self.policy.name!r}")
         shape = model_shape(model)
+        self.policy.check_model(shape)  # a learned head trained for another shape fails here
         self.shape = shape
         budgeted = shape.full_layers
         if not budgeted:

@@ -1,7 +1,10 @@
-"""`EvictionConfig`: what the evicting cache keeps, and when it re-ranks. Validation only.
+"""Plain-data settings, validation only: `EvictionConfig` (what the evicting cache keeps, and
+when it re-ranks) and the learned policy's scoring settings (`check_learned_settings`).
 
 The config is plain data: it round-trips through JSON (`to_dict` / `from_dict`) and every field
-is checked in `__post_init__` with an error that names the field and its allowed values.
+is checked in `__post_init__` with an error that names the field and its allowed values. The
+learned policy's settings live here, not in `sparsekv.policies.learned`, because an adapter's
+config records them too, and the adapter format must not import the policies (no import circle).
 """
 
 from __future__ import annotations
@@ -11,6 +14,40 @@ from typing import Any
 
 SCHEDULES = ("uniform", "pyramid")
 QUANTIZE = (None, "int8")
+LAYOUTS = ("dynamic", "static")
+BLEND_MODES = ("mix", "max")
+HEAD_LAYERS = ("own", "first")
+LEARNED_SETTINGS = ("recency", "kernel_size", "blend", "blend_mode", "head_layer")
+"""The learned policy's scoring settings, which an adapter records per use (they do not change
+training)."""
+LEARNED_FALLBACK = {"recency": 0.0, "kernel_size": 1, "blend": 0.0, "blend_mode": "mix", "head_layer": "own"}
+"""The settings of a learned policy whose scorer records none."""
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_kernel_size(kernel_size: Any, name: str = "kernel_size") -> int:
+    """An odd int >= 1 (a max-pooling width along the sequence)."""
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"{name}={kernel_size!r} must be an odd int >= 1")
+    return kernel_size
+
+
+def check_learned_settings(blend: Any, blend_mode: Any, recency: Any, kernel_size: Any, head_layer: Any) -> dict:
+    """The learned policy's settings checked (shared by the policy and the adapter config, which
+    records them per use); returns them normalized (`blend`, `recency` as float)."""
+    if not _is_number(blend) or not (0.0 <= blend <= 1.0):
+        raise ValueError(f"blend={blend!r} must be a number in [0, 1]")
+    if blend_mode not in BLEND_MODES:
+        raise ValueError(f"blend_mode={blend_mode!r} is not supported; allowed values: {', '.join(BLEND_MODES)}")
+    if not _is_number(recency) or not (0.0 <= recency < float("inf")):
+        raise ValueError(f"recency={recency!r} must be a finite number >= 0")
+    if head_layer not in HEAD_LAYERS:
+        raise ValueError(f"head_layer={head_layer!r} is not supported; allowed values: {', '.join(HEAD_LAYERS)}")
+    return {"blend": float(blend), "blend_mode": blend_mode, "recency": float(recency),
+            "kernel_size": check_kernel_size(kernel_size), "head_layer": head_layer}
 
 
 @dataclass
@@ -41,6 +78,19 @@ class EvictionConfig:
     """None (keep the model's dtype) or "int8" (kept entries of the budgeted layers stored as
     int8 with one scale per token and KV head). The budget applies to full-attention layers;
     sliding-window layers stay as transformers keeps them."""
+    layout: str = "dynamic"
+    """How budgeted layers store their entries: "dynamic" (each eviction gathers the kept entries
+    into new, smaller tensors) or "static" (buffers of a fixed number of slots, allocated once
+    and written in place, so tensor shapes never change while decoding and the decode step can
+    be compiled; see `sparsekv.static_layer`). Both keep the same entries."""
+    max_length: int | None = None
+    """layout="static": the longest sequence (prompt + generated tokens) the buffers are sized
+    for. Needed with a fractional budget (capacity = budget x max_length) and with the "full"
+    policy; a sequence that outgrows it is an error, not a silent reallocation."""
+    static_slack: int | None = None
+    """layout="static": slots beyond the largest budget, room for the entries of one step
+    before they are evicted (a prefill chunk, or evict_slack + 1 decode tokens). None =
+    max(prefill_chunk or 0, evict_slack + 1)."""
 
     def __post_init__(self) -> None:
         b = self.budget
@@ -52,7 +102,7 @@ class EvictionConfig:
             raise ValueError(f"budget={b!r}: an int budget is a token count >= 1")
         s = self.schedule
         if isinstance(s, (list, tuple)):
-            if not s or not all(isinstance(x, (int, float)) and 0.0 < float(x) <= 1.0 for x in s):
+            if not s or not all(_is_number(x) and 0.0 < float(x) <= 1.0 for x in s):
                 raise ValueError(f"schedule={s!r}: an explicit schedule is a non-empty list of fractions in (0, 1]")
             self.schedule = [float(x) for x in s]
         elif s not in SCHEDULES:
@@ -65,10 +115,32 @@ class EvictionConfig:
             isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1
         ):
             raise ValueError(f"prefill_chunk={self.prefill_chunk!r} must be None or an int >= 1")
-        if not isinstance(self.pyramid_slope, (int, float)) or not (0.0 <= self.pyramid_slope < 1.0):
+        if not _is_number(self.pyramid_slope) or not (0.0 <= self.pyramid_slope < 1.0):
             raise ValueError(f"pyramid_slope={self.pyramid_slope!r} must be in [0, 1)")
         if self.quantize not in QUANTIZE:
             raise ValueError(f"quantize={self.quantize!r} is not supported; allowed values: None, 'int8'")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is not supported; allowed values: {', '.join(LAYOUTS)}")
+        for name in ("max_length", "static_slack"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}={v!r} must be None or an int >= 1")
+        if self.layout != "static":
+            return
+        if isinstance(self.budget, float) and self.max_length is None:
+            raise ValueError(
+                f"layout='static' with a fractional budget={self.budget!r} needs max_length (the longest "
+                "sequence the buffers hold), or give the budget as a token count"
+            )
+        need = max(self.prefill_chunk or 0, self.evict_slack + 1)
+        if self.static_slack is not None and self.static_slack < need:
+            raise ValueError(
+                f"static_slack={self.static_slack!r} is too small: one step needs max(prefill_chunk, "
+                f"evict_slack + 1) = {need} free slots"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

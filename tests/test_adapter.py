@@ -65,7 +65,7 @@ def test_round_trip_reproduces_scores_exactly(tmp_path):
         "base_model: org/tiny" in card and "| learned | 0.9 |" in card and '"max_steps": 10' in card
     )
     assert "| policy defaults | blend 0 (mix), head_layer own, kernel_size 1, recency 0 |" in card
-    cfg = json.loads((folder / "adapter_config.json").read_text())
+    cfg = json.loads((folder / "config.json").read_text())
     assert cfg["layers"] == [1, 3] and cfg["hidden_size"] == 64 and cfg["target"]["stat"] == "mass"
 
 
@@ -80,7 +80,7 @@ def test_save_over_existing_folder_is_atomic(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(safetensors.torch, "save", boom)
     with pytest.raises(OSError, match="disk full"):
         second.save_pretrained(folder)
     assert {n: (folder / n).read_bytes() for n in ADAPTER_FILES} == before  # untouched
@@ -138,9 +138,9 @@ def test_push_to_hub_uploads_the_adapter_folder(monkeypatch):
         calls["upload"] = {
             "repo_id": repo_id,
             "files": _files(folder),
-            "config": json.loads((folder / "adapter_config.json").read_text()),
+            "config": json.loads((folder / "config.json").read_text()),
             "card": (folder / "README.md").read_text(),
-            "weights": (folder / "adapter_model.safetensors").read_bytes(),
+            "weights": (folder / "model.safetensors").read_bytes(),
             "kwargs": kwargs,
         }
         return "commit-info"
@@ -194,7 +194,7 @@ def test_missing_adapter_is_a_clear_error_offline(monkeypatch, tmp_path):
         ScorerAdapter.from_pretrained("nobody/no-such-adapter")
     (tmp_path / "empty").mkdir()
     with pytest.raises(
-        FileNotFoundError, match="missing adapter_model.safetensors, adapter_config.json"
+        FileNotFoundError, match="missing model.safetensors, config.json"
     ):
         ScorerAdapter.from_pretrained(tmp_path / "empty")
 
@@ -214,7 +214,7 @@ def test_config_validation():
         with pytest.raises(ValueError, match=words):
             AdapterConfig(**{**base, **kwargs})
     with pytest.raises(ValueError, match="unknown AdapterConfig"):
-        AdapterConfig.from_dict({**base, "lora": True})
+        AdapterConfig.from_dict({**base, "bogus": True})
 
 
 def test_score_layer_has_no_gradient():

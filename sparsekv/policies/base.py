@@ -20,15 +20,31 @@ The cache computes only the statistics a policy asks for through its class attri
   since the last re-rank (costs one extra q·K per decode step).
 - `evicts`: False for the full cache.
 - `schedule`: a schedule this method implies (PyramidKV), else None (the config's is used).
+- `scores_after_prefill`: the cache does not evict during a multi-token forward; when that
+  forward returns it runs `sparsekv.repeat_pass` (KVzip's context reconstruction), which hands
+  the policy, in `ctx.attention`, what the repeat paid to each new entry, then evicts. Such a
+  policy provides `repeat_inputs(ids) -> [(ids, start, end), ...]` (see `sparsekv.reconstruction`).
+
+`Policy.check_model(shape)` is called by the cache when it is built, with the model's
+`sparsekv.families.ModelShape`: a policy that was fitted to one model shape (the learned one)
+raises a ValueError there naming the mismatch; the heuristics accept any model.
+
+Constructor arguments are checked by the helpers below (`check_int`, `check_number`), so a
+wrong type fails in `policies.get` with an error naming the argument, not later in a forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
+
+from sparsekv.config import check_kernel_size
+
+__all__ = ["Policy", "ScoreContext", "available", "check_int", "check_kernel_size", "check_number",
+           "get", "max_pool_seq", "register"]
 
 
 @dataclass
@@ -49,6 +65,7 @@ class ScoreContext:
     hidden_states: torch.Tensor | None = None  # (batch, new, hidden) attention inputs of new tokens
     budget_rank: int = 0  # index of this layer among the budgeted layers (0 = shallowest)
     num_budgeted: int = 1
+    model: Any = None  # the causal LM the cache serves (for policies that read its weights)
 
     def carry(self, fill: float = 0.0) -> torch.Tensor:
         """`prev_scores` extended with `fill` for the new entries: `(batch, kv_heads, seq)`."""
@@ -71,10 +88,19 @@ def max_pool_seq(x: torch.Tensor, kernel_size: int) -> torch.Tensor:
     return F.max_pool1d(x.reshape(b * h, 1, n), kernel_size, stride=1, padding=kernel_size // 2).reshape(b, h, n)
 
 
-def check_kernel_size(kernel_size) -> int:
-    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
-        raise ValueError(f"kernel_size={kernel_size!r} must be an odd int >= 1")
-    return kernel_size
+def check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    """`value` as an int (bools refused) >= `minimum`; the error names the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{name}={value!r} must be an int{bound}")
+    return value
+
+
+def check_number(name: str, value: Any, low: float, high: float) -> float:
+    """`value` as a finite float in [low, high] (bools refused); the error names the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= value <= high):
+        raise ValueError(f"{name}={value!r} must be a number in [{low:g}, {high:g}]")
+    return float(value)
 
 
 class Policy:
@@ -88,10 +114,15 @@ class Policy:
     tracks_observed: bool = False
     evicts: ClassVar[bool] = True
     schedule: ClassVar[str | None] = None
+    scores_after_prefill: ClassVar[bool] = False
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """Return `(batch, kv_heads, seq)` scores for every stored entry; higher = keep."""
         raise NotImplementedError
+
+    def check_model(self, shape: Any) -> None:
+        """Raise ValueError if this policy cannot score `shape` (a `ModelShape`); the cache calls
+        it when built. Policies not fitted to a model accept any."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -136,7 +167,23 @@ def get(name: str | Policy, **kwargs) -> Policy:
         name = "learned"
     if name not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(available())}")
+    accepted = _arguments(_REGISTRY[name])
+    bad = sorted(set(kwargs) - set(accepted)) if accepted is not None else []
+    if bad:
+        raise ValueError(
+            f"policy {name!r} takes no argument(s) {bad}; allowed: {', '.join(accepted) or 'none'}"
+        )
     try:
         return _REGISTRY[name](**kwargs)
     except TypeError as e:
         raise ValueError(f"bad arguments for policy {name!r}: {e}") from e
+
+
+def _arguments(factory: Callable[..., Policy]) -> list[str] | None:
+    """The keyword arguments `factory` accepts, or None when it takes `**kwargs`."""
+    import inspect
+
+    params = list(inspect.signature(factory).parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]

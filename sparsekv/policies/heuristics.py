@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.policies.base import Policy, ScoreContext, check_kernel_size, max_pool_seq, register
+from sparsekv.policies.base import (
+    Policy,
+    ScoreContext,
+    check_int,
+    check_kernel_size,
+    max_pool_seq,
+    register,
+)
 
 
 @register("full")
@@ -27,7 +34,7 @@ class RandomPolicy(Policy):
     """Uniformly random scores drawn once per entry (seeded generator, reproducible)."""
 
     def __init__(self, seed: int = 0):
-        self.seed = seed
+        self.seed = check_int("seed", seed, 0)
         self._gen: dict[torch.device, torch.Generator] = {}
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
@@ -92,9 +99,7 @@ class SnapKVPolicy(Policy):
     attention_queries = "window"
 
     def __init__(self, window: int = 32, kernel_size: int = 7):
-        if window < 1:
-            raise ValueError(f"window={window!r} must be >= 1")
-        self.window = window
+        self.window = check_int("window", window, 1)
         self.kernel_size = check_kernel_size(kernel_size)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:

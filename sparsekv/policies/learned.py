@@ -15,31 +15,58 @@ scale dominates, then combined by `blend_mode`:
 - "max": `max((1 - blend) * z_prior, blend * z_observed)`, a union: a token is kept when either
   signal ranks it high (a needle the head flags that the window does not look at, or a token
   the window attends to that the head rates low). An average would drop both kinds.
+
+The policy needs only a `LayerScorer` (anything with `score_layer`); it does not import the
+adapter module. A scorer that also has `settings(use)` (a `ScorerAdapter`) supplies the
+recorded settings of a use, and one with `check_compatible(shape)` is checked against the model
+when the cache is built. A string (`policies.get("learned:DIR")`) is resolved by the loader that
+`sparsekv.adapter` registers with `set_scorer_loader` when it is imported; the resolution
+imports `sparsekv.adapter` by name on first need, so no module imports another in a circle.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
 import torch
 
-from sparsekv.policies.base import Policy, ScoreContext, check_kernel_size, max_pool_seq, register
+from sparsekv.config import BLEND_MODES, HEAD_LAYERS, LEARNED_FALLBACK, check_learned_settings
+from sparsekv.policies.base import Policy, ScoreContext, check_int, max_pool_seq, register
 
-BLEND_MODES = ("mix", "max")
-HEAD_LAYERS = ("own", "first")
+__all__ = ["BLEND_MODES", "HEAD_LAYERS", "LayerScorer", "LearnedPolicy", "check_settings",
+           "set_scorer_loader"]
+
+check_settings = check_learned_settings  # the name older callers import
 
 
-def check_settings(blend, blend_mode, recency, kernel_size, head_layer) -> dict:
-    """The learned policy's settings checked (shared by the policy and `AdapterConfig`, which
-    records them as an adapter's defaults); returns them normalized."""
-    if isinstance(blend, bool) or not isinstance(blend, (int, float)) or not (0.0 <= blend <= 1.0):
-        raise ValueError(f"blend={blend!r} must be a number in [0, 1]")
-    if blend_mode not in BLEND_MODES:
-        raise ValueError(f"blend_mode={blend_mode!r} is not supported; allowed values: {', '.join(BLEND_MODES)}")
-    if isinstance(recency, bool) or not isinstance(recency, (int, float)) or not (0.0 <= recency < float("inf")):
-        raise ValueError(f"recency={recency!r} must be a finite number >= 0")
-    if head_layer not in HEAD_LAYERS:
-        raise ValueError(f"head_layer={head_layer!r} is not supported; allowed values: {', '.join(HEAD_LAYERS)}")
-    return {"blend": float(blend), "blend_mode": blend_mode, "recency": float(recency),
-            "kernel_size": check_kernel_size(kernel_size), "head_layer": head_layer}
+@runtime_checkable
+class LayerScorer(Protocol):
+    """What the learned policy scores with: one logit per KV head per new token."""
+
+    def score_layer(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states `(batch, new, hidden)` of budgeted layer `layer_idx` -> `(batch, kv_heads,
+        new)` float32, higher = keep."""
+        ...
+
+
+_LOADER: Callable[..., LayerScorer] | None = None
+
+
+def set_scorer_loader(loader: Callable[..., LayerScorer]) -> None:
+    """Register how a string names a scorer (`sparsekv.adapter` registers
+    `ScorerAdapter.from_pretrained` when imported)."""
+    global _LOADER
+    _LOADER = loader
+
+
+def _load_scorer(spec: str) -> LayerScorer:
+    if _LOADER is None:
+        importlib.import_module("sparsekv.adapter")  # registers its loader on import
+    if _LOADER is None:
+        raise RuntimeError("sparsekv.adapter did not register a scorer loader")
+    return _LOADER(spec)
 
 
 def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,40 +84,64 @@ class LearnedPolicy(Policy):
 
     needs_hidden_states = True
 
-    def __init__(self, adapter, blend: float | None = None, window: int = 32, recency: float | None = None,
-                 blend_mode: str | None = None, kernel_size: int | None = None, head_layer: str | None = None):
-        """`adapter`: a `ScorerAdapter`, a folder or Hub id to load one from, or any object with
-        `score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`.
-        `blend`, `blend_mode`, `recency`, `kernel_size`, `head_layer`: None = the adapter's
-        recorded default (`adapter.config`), else 0, "mix", 0, 1 and "own".
+    def __init__(self, adapter: LayerScorer | str, blend: float | None = None, window: int = 32,
+                 recency: float | None = None, blend_mode: str | None = None,
+                 kernel_size: int | None = None, head_layer: str | None = None, use: str | None = None):
+        """`adapter`: a `ScorerAdapter`, a folder or Hub id to load one from, or any `LayerScorer`
+        (`score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`).
+        `use`: which of the adapter's recorded uses supplies the unset settings ("aware" when
+        None; see `ScorerAdapter.settings`); a plain scorer without recorded settings takes 0,
+        "mix", 0, 1 and "own" for `blend`, `blend_mode`, `recency`, `kernel_size`, `head_layer`.
         `head_layer`: "own" (each budgeted layer's head reads that layer's attention inputs) or
         "first" (the first budgeted layer's head scores each token once, from that layer's
         inputs, and every budgeted layer uses that score: one cross-layer importance per token).
         `kernel_size` (odd): the head's scores of the tokens entering together (a prefill chunk)
         are max-pooled over that many neighbours, as SnapKV pools attention, so that a number
         split into digit tokens is kept or dropped as a whole; the prefill window attention used
-        by blending is pooled the same way."""
+        by blending is pooled the same way. `window`: the observation window (queries) read when
+        blending."""
         if isinstance(adapter, str):
-            from sparsekv.adapter import ScorerAdapter
-
-            adapter = ScorerAdapter.from_pretrained(adapter)
-        recorded = getattr(adapter, "config", None)
+            if not adapter:
+                raise ValueError("adapter='' must name an adapter folder or Hub repo id")
+            adapter = _load_scorer(adapter)
+        if not isinstance(adapter, LayerScorer):
+            raise ValueError(
+                f"adapter={adapter!r} must be a ScorerAdapter, an adapter folder or Hub repo id, or "
+                "an object with score_layer(layer_idx, hidden_states)"
+            )
+        if hasattr(adapter, "settings"):
+            recorded = adapter.settings(use)  # raises naming the recorded uses
+        elif use is not None:
+            raise ValueError(f"use={use!r} needs an adapter that records uses (a ScorerAdapter)")
+        else:  # a bare scorer; one with a `config` carrying settings supplies those
+            config = getattr(adapter, "config", None)
+            recorded = {k: getattr(config, k, v) for k, v in LEARNED_FALLBACK.items()}
         given = {"blend": blend, "blend_mode": blend_mode, "recency": recency, "kernel_size": kernel_size,
                  "head_layer": head_layer}
-        fallback = {"blend": 0.0, "blend_mode": "mix", "recency": 0.0, "kernel_size": 1, "head_layer": "own"}
-        settings = check_settings(**{k: getattr(recorded, k, fallback[k]) if v is None else v for k, v in given.items()})
+        settings = check_learned_settings(**{k: recorded[k] if v is None else v for k, v in given.items()})
         self.adapter = adapter
+        self.use = use
         self.blend, self.blend_mode = settings["blend"], settings["blend_mode"]
         self.recency, self.kernel_size = settings["recency"], settings["kernel_size"]
         self.head_layer = settings["head_layer"]
         self.hidden_from_first = self.head_layer == "first"
         # the head that scores the tokens of a budgeted layer: its own, or the first layer's
         self._first_layer = self._adapter_first_layer() if self.hidden_from_first else None
-        self.window = window
+        self.window = check_int("window", window, 1)
         # With blending on, the cache tracks the attention kept entries receive (observed) and
         # also hands over the prompt's observation-window attention at prefill.
         self.tracks_observed = self.blend > 0
         self.attention_queries = "window" if self.blend > 0 else None
+
+    def check_model(self, shape: Any) -> None:
+        """The adapter's own check (`ScorerAdapter.check_compatible`), when it has one."""
+        check = getattr(self.adapter, "check_compatible", None)
+        if check is not None:
+            check(shape)
+
+    def __repr__(self) -> str:
+        return (f"LearnedPolicy(blend={self.blend:g}, blend_mode={self.blend_mode!r}, "
+                f"kernel_size={self.kernel_size}, recency={self.recency:g}, head_layer={self.head_layer!r})")
 
     def _adapter_first_layer(self) -> int:
         layers = getattr(getattr(self.adapter, "config", None), "layers", None)

@@ -1,0 +1,415 @@
+"""The scorer adapter's on-disk format: file names, versions, the config record, and reading and
+writing an adapter folder safely. `sparsekv.adapter` builds on it; this module knows nothing of
+models, caches or policies.
+
+Format 2 (written by this version), a folder of:
+
+- `config.json`: `{"sparsekv_type": "scorer_adapter", "format_version": 2, ...}` then the
+  `AdapterConfig` fields: the base model's id and shape (model type, layers, KV heads, head dim,
+  hidden size), the budgeted layers the head scores, the head's kind and width, `target` (the
+  teacher target, `sparsekv.teacher.TargetConfig.to_dict()`), `uses` (the learned policy's
+  settings per use, see below), `lora` (the name of the LoRA subfolder, or null), the sparsekv
+  version, and optionally the training config, an evaluation table (Markdown) and evaluation
+  results (`huggingface_hub.EvalResult` fields, for the model card's metadata);
+- `model.safetensors`: the `GatingHead` state dict (float32; keys `heads.<layer>.<i>.*`); its
+  metadata holds `format: pt` and `sparsekv_tensors_sha256`, a digest of the tensors that the
+  loader checks, so bytes garbled inside the data are caught. The header's keys are written in
+  sorted order, so two saves of the same weights are byte-identical;
+- `README.md`: the model card (`sparsekv.model_card`);
+- optionally `lora/`: a standard PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)
+  that `peft.PeftModel.from_pretrained(base_model, "<folder>/lora")` loads on its own.
+
+`uses` maps a use name to the complete learned-policy settings (`recency`, `kernel_size`,
+`blend`, `blend_mode`, `head_layer`) that serve it: `"aware"` (the question is in the prompt
+when the cache is compressed; the defaults, what `attach(model)` applies), `"agnostic"` (a
+context compressed before its question; a fresh adapter records `blend=0, kernel_size=9`) and
+optionally `"decode"` (eviction while generating). In memory the "aware" settings are the
+`AdapterConfig` fields of the same names and `AdapterConfig.uses` holds the other uses.
+
+`target` is read tolerantly: keys that this version's `TargetConfig` does not define (a newer
+trainer's target kinds) are kept as recorded, with a warning; they never change how the head
+scores. Other unknown keys are an error.
+
+Format 1 (`adapter_config.json` + `adapter_model.safetensors`, the settings as top-level
+fields, no type tag) still loads; it gets the default "agnostic" use. Loading checks, in order:
+the config (names the file and the field), the safetensors header against the config's shapes
+before any tensor is read (a config with huge dimensions allocates nothing), the tensors'
+digest, then that every weight is finite (names the tensor). Every error names the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparsekv.config import LEARNED_SETTINGS, check_learned_settings
+from sparsekv.scorer import KINDS, GatingHead
+from sparsekv.teacher import TargetConfig
+
+TYPE_KEY = "sparsekv_type"
+TYPE_TAG = "scorer_adapter"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+CARD_NAME = "README.md"
+LORA_DIR = "lora"
+ADAPTER_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
+"""The files of a format-2 folder without a LoRA subfolder."""
+LEGACY_CONFIG_NAME = "adapter_config.json"
+LEGACY_WEIGHTS_NAME = "adapter_model.safetensors"
+POLICY_DEFAULTS = LEARNED_SETTINGS
+"""AdapterConfig fields that are the learned policy's "aware" settings (they do not change
+training)."""
+USES = ("aware", "agnostic", "decode")
+"""The use names an adapter may record settings for."""
+DEFAULT_USES = {"agnostic": {"blend": 0.0, "kernel_size": 9}}
+"""What a fresh (or format-1) adapter records beyond "aware"; unset keys copy "aware"."""
+DIGEST_KEY = "sparsekv_tensors_sha256"
+
+
+def _version() -> str:
+    from sparsekv import __version__
+
+    return __version__
+
+
+def hash_tensors(h: Any, state: dict[str, torch.Tensor]) -> Any:
+    """Feed every tensor of `state` (name, dtype, shape, raw bytes; sorted by name) into the
+    hashlib object `h`; returns it. Shared by the file digest and `ScorerAdapter.fingerprint`."""
+    for name, t in sorted(state.items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h
+
+
+def tensors_digest(state: dict[str, torch.Tensor]) -> str:
+    return hash_tensors(hashlib.sha256(), state).hexdigest()
+
+
+def _check_target(target: Any) -> dict[str, Any]:
+    """The target dict validated by `TargetConfig` (defaults filled in); keys it does not know
+    are kept as recorded, with a warning."""
+    if isinstance(target, TargetConfig):
+        return target.to_dict()
+    if not isinstance(target, dict):
+        raise ValueError(f"target={target!r} must be a TargetConfig dict")
+    known = {f.name for f in fields(TargetConfig)}
+    extra = {k: target[k] for k in sorted(set(target) - known)}
+    if extra:
+        warnings.warn(
+            f"adapter target has field(s) {sorted(extra)} this sparsekv's TargetConfig does not "
+            "define; kept as recorded (they do not change scoring)",
+            stacklevel=3,
+        )
+    out = TargetConfig.from_dict({k: v for k, v in target.items() if k in known}).to_dict()
+    return {**out, **extra}
+
+
+@dataclass
+class AdapterConfig:
+    """What an adapter records about itself and the model it was trained for (JSON round trip)."""
+
+    model_type: str
+    """transformers `model_type` of the base model's text config (e.g. "gemma3_text", "llama")."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    layers: list[int]
+    """The budgeted layers the head has a module for (sorted)."""
+    base_model_id: str | None = None
+    """Hub id (or path) of the base model, for the record and the model card."""
+    kind: str = "mlp"
+    """Head module per layer: "linear" or "mlp"."""
+    hidden: int = 64
+    """Width of the MLP's hidden layer (unused for "linear")."""
+    target: dict[str, Any] = field(default_factory=lambda: TargetConfig().to_dict())
+    """The teacher target definition (`TargetConfig.to_dict()`)."""
+    recency: float = 0.0
+    """Recency prior the learned policy adds at inference: `recency * position / 1000` on top of
+    the head's logit. The head's logits are log-importances (it is trained with a softmax over
+    positions), so this ranks tokens by importance x exp(-age * recency / 1000): a token 1,000
+    positions older must be e**recency times more important to be kept. The ranking it implies
+    does not change as decoding proceeds, so each token is still scored once. 0 = head alone."""
+    kernel_size: int = 1
+    """Max-pooling width (odd) the learned policy applies to the head's scores of tokens that
+    enter the cache together, so a needle split into several tokens survives whole. 1 = none."""
+    blend: float = 0.0
+    """The learned policy's default weight of observed attention (see `blend_mode`), in [0, 1]."""
+    blend_mode: str = "mix"
+    """How the learned policy combines the head's prior with observed attention: "mix" or "max"."""
+    head_layer: str = "own"
+    """Which head scores each budgeted layer in the learned policy: "own" (its own module on its
+    own attention inputs) or "first" (the first budgeted layer's module, once per token, shared
+    by all budgeted layers)."""
+    uses: dict[str, dict[str, Any]] = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_USES)))
+    """Settings per use other than "aware" (whose settings are the five fields above), each a
+    dict over `POLICY_DEFAULTS`; unset keys are filled from "aware" at validation."""
+    lora: str | None = None
+    """The adapter folder's LoRA subfolder (a PEFT folder), or None when there is none."""
+    sparsekv_version: str = field(default_factory=_version)
+    training_config: dict[str, Any] | None = None
+    """The resolved training config, when the adapter was trained with `train.py`."""
+    eval_table: str | None = None
+    """A Markdown evaluation table for the model card."""
+    eval_results: list[dict[str, Any]] | None = None
+    """Evaluation results as `huggingface_hub.EvalResult` keyword dicts (task_type, dataset_type,
+    dataset_name, metric_type, metric_value, ...), written into the model card's metadata."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "hidden"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1")
+        if not isinstance(self.model_type, str) or not self.model_type:
+            raise ValueError(f"model_type={self.model_type!r} must be a non-empty string")
+        layers = list(self.layers) if isinstance(self.layers, (list, tuple)) else None
+        if (
+            not layers
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+            or len(set(layers)) != len(layers)
+            or not all(0 <= x < self.num_layers for x in layers)
+        ):
+            raise ValueError(
+                f"layers={self.layers!r} must be a non-empty list of distinct layer indices in "
+                f"[0, {self.num_layers})"
+            )
+        self.layers = sorted(layers)
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"kind={self.kind!r} is not supported; allowed values: {', '.join(KINDS)}"
+            )
+        self.target = _check_target(self.target)
+        aware = check_learned_settings(**{k: getattr(self, k) for k in POLICY_DEFAULTS})
+        for k, v in aware.items():
+            setattr(self, k, v)
+        self.uses = self._check_uses(self.uses, aware)
+        if self.lora is not None and (
+            not isinstance(self.lora, str) or not self.lora or "/" in self.lora or self.lora.startswith(".")
+        ):
+            raise ValueError(f"lora={self.lora!r} must be None or a subfolder name such as {LORA_DIR!r}")
+        if self.training_config is not None and not isinstance(self.training_config, dict):
+            raise ValueError("training_config must be a dict or None")
+        if self.eval_table is not None and not isinstance(self.eval_table, str):
+            raise ValueError("eval_table must be a Markdown string or None")
+        if self.eval_results is not None:
+            from huggingface_hub import EvalResult
+
+            if not isinstance(self.eval_results, list) or not all(isinstance(r, dict) for r in self.eval_results):
+                raise ValueError("eval_results must be a list of huggingface_hub.EvalResult keyword dicts or None")
+            for r in self.eval_results:
+                try:
+                    EvalResult(**r)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"eval_results entry {r!r} is not a valid EvalResult: {e}") from e
+
+    @staticmethod
+    def _check_uses(uses: Any, aware: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        if not isinstance(uses, dict):
+            raise ValueError(f"uses={uses!r} must be a dict of use name -> settings")
+        out = {}
+        for name, settings in uses.items():
+            if name == "aware":
+                raise ValueError('uses must not hold "aware": its settings are the fields '
+                                 f"{', '.join(POLICY_DEFAULTS)}")
+            if name not in USES:
+                raise ValueError(f"uses has unknown use {name!r}; allowed: {', '.join(USES[1:])}")
+            if not isinstance(settings, dict):
+                raise ValueError(f"uses[{name!r}]={settings!r} must be a dict over {', '.join(POLICY_DEFAULTS)}")
+            bad = sorted(set(settings) - set(POLICY_DEFAULTS))
+            if bad:
+                raise ValueError(f"uses[{name!r}] has unknown setting(s) {bad}; allowed: {', '.join(POLICY_DEFAULTS)}")
+            try:
+                out[name] = check_learned_settings(**{**aware, **settings})
+            except ValueError as e:
+                raise ValueError(f"uses[{name!r}]: {e}") from e
+        return out
+
+    @property
+    def target_config(self) -> TargetConfig:
+        known = {f.name for f in fields(TargetConfig)}
+        return TargetConfig.from_dict({k: v for k, v in self.target.items() if k in known})
+
+    def settings(self, use: str | None = None) -> dict[str, Any]:
+        """The complete learned-policy settings recorded for `use` (None = "aware")."""
+        if use is None or use == "aware":
+            return {k: getattr(self, k) for k in POLICY_DEFAULTS}
+        if use not in self.uses:
+            recorded = ", ".join(["aware", *self.uses])
+            raise ValueError(f"use={use!r} is not recorded by this adapter; allowed values: {recorded}")
+        return dict(self.uses[use])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The format-2 `config.json` content (type tag and version first, "aware" in `uses`)."""
+        d = asdict(self)
+        aware = {k: d.pop(k) for k in POLICY_DEFAULTS}
+        d["uses"] = {"aware": aware, **d["uses"]}
+        return {TYPE_KEY: TYPE_TAG, "format_version": FORMAT_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AdapterConfig:
+        """Read a format-2 dict (`to_dict`) or a format-1 one (settings as top-level fields)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"an adapter config is a JSON object, got {type(d).__name__}")
+        d = dict(d)
+        version = d.pop("format_version", 1)
+        tag = d.pop(TYPE_KEY, None)
+        if version not in READABLE_VERSIONS:
+            raise ValueError(
+                f"format_version={version!r}: this sparsekv ({_version()}) reads adapter formats "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; a newer sparsekv wrote this adapter"
+            )
+        if version >= 2:
+            if tag != TYPE_TAG:
+                raise ValueError(f"{TYPE_KEY}={tag!r}: expected {TYPE_TAG!r} (not a sparsekv scorer adapter)")
+            uses = d.get("uses")
+            if not isinstance(uses, dict) or not isinstance(uses.get("aware"), dict):
+                raise ValueError('uses must be a dict with an "aware" entry (format 2)')
+            uses = dict(uses)
+            aware = uses.pop("aware")
+            bad = sorted(set(aware) - set(POLICY_DEFAULTS))
+            if bad or any(k in d for k in POLICY_DEFAULTS):
+                raise ValueError(f'uses["aware"] holds the settings {", ".join(POLICY_DEFAULTS)} '
+                                 f"(found {bad or [k for k in POLICY_DEFAULTS if k in d]} elsewhere)")
+            d = {**d, **aware, "uses": uses}
+        elif "uses" in d:
+            raise ValueError("uses is a format-2 field; this config says format_version 1")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown AdapterConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}")
+        return cls(**d)
+
+
+# ---- reading a folder ---------------------------------------------------------------------------
+def folder_files(folder: Path) -> tuple[Path, Path, int]:
+    """(config path, weights path, format version by file names) of an adapter folder."""
+    if (folder / CONFIG_NAME).is_file() or (folder / WEIGHTS_NAME).is_file():
+        names, version = (CONFIG_NAME, WEIGHTS_NAME), 2
+    elif (folder / LEGACY_CONFIG_NAME).is_file() or (folder / LEGACY_WEIGHTS_NAME).is_file():
+        names, version = (LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME), 1
+    else:
+        raise FileNotFoundError(
+            f"{folder} is not a sparsekv adapter folder: missing {WEIGHTS_NAME}, {CONFIG_NAME} "
+            f"(format 2) or {LEGACY_WEIGHTS_NAME}, {LEGACY_CONFIG_NAME} (format 1)"
+        )
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder} is not a complete sparsekv adapter folder: missing {', '.join(missing)}")
+    return folder / names[0], folder / names[1], version
+
+
+def read_config(path: Path, version: int) -> AdapterConfig:
+    """The `AdapterConfig` in `path`; errors name the file."""
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON: {e}") from e
+    if version == 1 and isinstance(d, dict) and d.get("format_version", 1) != 1:
+        raise ValueError(f"{path}: a format-1 file name with format_version={d.get('format_version')!r}")
+    try:
+        return AdapterConfig.from_dict(d)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"invalid {path}: {e}") from e
+
+
+def expected_shapes(config: AdapterConfig) -> dict[str, tuple[int, ...]]:
+    """The head's state-dict shapes for `config`, built on the meta device (allocates nothing)."""
+    with torch.device("meta"):
+        head = GatingHead(config.hidden_size, config.num_kv_heads, config.layers, kind=config.kind,
+                          hidden=config.hidden)
+    return {k: tuple(v.shape) for k, v in head.state_dict().items()}
+
+
+def read_weights(path: Path, config: AdapterConfig) -> dict[str, torch.Tensor]:
+    """The head's tensors from `path`, checked: the header against `config`'s shapes before any
+    tensor is read, the recorded digest (format 2), then finiteness. Errors name the file."""
+    from safetensors import safe_open
+
+    want = expected_shapes(config)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            if have != want:
+                missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+                wrong = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+                detail = "; ".join(
+                    s for s in (
+                        f"missing {missing}" if missing else "",
+                        f"unexpected {extra}" if extra else "",
+                        ", ".join(f"{k} is {list(have[k])}, the config needs {list(want[k])}" for k in wrong),
+                    ) if s
+                )
+                raise ValueError(f"{path} does not match its config ({detail})")
+            state = {k: f.get_tensor(k) for k in sorted(have)}
+    except ValueError:
+        raise
+    except Exception as e:  # SafetensorError, OSError: a truncated or garbled file
+        raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+    recorded = meta.get(DIGEST_KEY)
+    if recorded is not None and recorded != tensors_digest(state):
+        raise ValueError(f"{path} is damaged: its tensors do not match the digest recorded in its header")
+    for k, t in state.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{path}: tensor {k} has dtype {t.dtype}; the head's weights are floating point")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{path}: tensor {k} holds non-finite values (NaN or inf)")
+    return state
+
+
+# ---- writing a folder ---------------------------------------------------------------------------
+def safetensors_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """`state` serialized as safetensors with the header's keys sorted (the library writes its
+    metadata map in a random order), so the same weights always give the same bytes."""
+    from safetensors.torch import save
+
+    raw = save(state, metadata={"format": "pt", DIGEST_KEY: tensors_digest(state)})
+    n = int.from_bytes(raw[:8], "little")
+    header = json.dumps(json.loads(raw[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the data stays 8-byte aligned, as the library pads it
+    return len(header).to_bytes(8, "little") + header + raw[8 + n :]
+
+
+def write_folder(target: Path, fill: Callable[[Path], None]) -> Path:
+    """Write a folder atomically: `fill(tmp)` writes into a temporary sibling, which is renamed
+    into place; an existing folder is renamed aside first and deleted only after the new one is
+    in place, so a reader sees the old folder, the new one, or (for an instant) none, never a
+    mix. Returns `target`."""
+    target = Path(target).expanduser()
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"save_directory={str(target)!r} exists and is not a folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    old = None
+    try:
+        os.chmod(tmp, 0o755)
+        fill(tmp)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.rename(target, old / "adapter")
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def write_files(folder: Path, config: AdapterConfig, state: dict[str, torch.Tensor], card: str) -> None:
+    """The three format-2 files into `folder` (used inside `write_folder`)."""
+    (folder / WEIGHTS_NAME).write_bytes(safetensors_bytes(state))
+    (folder / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    (folder / CARD_NAME).write_text(card, encoding="utf-8")
