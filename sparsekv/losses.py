@@ -20,10 +20,17 @@ remaining "ranked" positions of each (batch, kv head) row:
   equally (pos_weight = (1 - budget) / budget).
 
 Each term is averaged over rows with at least one ranked position; the loss is
-`kl_weight * kl + topk_weight * bce`.
+`kl_weight * kl + topk_weight * bce` (`kind="ranking"`, the default).
 
-Metrics (python floats): `loss`, `kl`, `bce`, `recall` = recall@budget (the fraction of the
-target's top-k entries that the prediction's top-k contains; 1 when the rankings agree on the
+`kind="mse"` is KVzap's regression instead: the mean over the ranked (row, position) pairs of
+`(pred - log_target)^2`, where `log_target` is the target itself when it is already a log score
+(`log_target=True`, e.g. `TargetConfig(kind="kvzip_plus")`) and `log(max(target, 1e-12))` for a
+distribution. It learns the target's values, not only its order (KVzap thresholds them). The
+ranking kind given a log-score target uses `exp(target)` as its weights. `compute_loss` serves
+both kinds; the KL/BCE weights, `temperature` and `balance_topk` are unused under "mse".
+
+Metrics (python floats): `loss`, `kl` and `bce` (ranking) or `mse`, `recall` = recall@budget (the
+fraction of the target's top-k entries that the prediction's top-k contains; 1 when the rankings agree on the
 set), and `mass_recall` = target mass inside the prediction's top-k divided by the target mass
 inside the target's own top-k (1 = as good as the teacher's own choice).
 """
@@ -36,9 +43,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+KINDS = ("ranking", "mse")
+MSE_FLOOR = 1e-12
+
 
 @dataclass
 class LossConfig:
+    kind: str = "ranking"
+    """"ranking": listwise KL + top-budget BCE (ours); "mse": squared error against the log
+    target (KVzap's)."""
     kl_weight: float = 1.0
     """Weight of the listwise KL term (>= 0)."""
     topk_weight: float = 1.0
@@ -55,11 +68,15 @@ class LossConfig:
     """Weigh BCE positives by (1 - budget) / budget so both classes count equally."""
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"kind={self.kind!r} is not supported; allowed values: {', '.join(KINDS)}"
+            )
         for name in ("kl_weight", "topk_weight"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"{name}={v!r} must be a number >= 0")
-        if self.kl_weight == 0 and self.topk_weight == 0:
+        if self.kind == "ranking" and self.kl_weight == 0 and self.topk_weight == 0:
             raise ValueError("kl_weight and topk_weight are both 0: at least one must be > 0")
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0.0 < b <= 1.0):
@@ -109,6 +126,85 @@ def _top_k_mask(scores: torch.Tensor, ranked: torch.Tensor, k: torch.Tensor) -> 
     return (ranks < k) & ranked
 
 
+def _recall_metrics(pred, weight, in_target, ranked, k, rows, n_rows) -> dict[str, float]:
+    """recall@budget and mass_recall of `pred` against the target's top-k `in_target`; `weight`
+    `(batch, kv_heads, seq)` >= 0 is the target mass. See the module docstring."""
+    with torch.no_grad():
+        in_pred = _top_k_mask(pred, ranked, k)
+        hit = (in_pred & in_target).sum(-1).float()
+        recall_rows = hit / k.squeeze(-1).float()
+        mass = torch.where(ranked, weight, torch.zeros_like(weight))
+        best = (mass * in_target).sum(-1)
+        got = (mass * in_pred).sum(-1)
+        mass_rows = torch.where(best > 0, got / best.clamp_min(1e-30), torch.ones_like(best))
+        return {
+            "recall": float((recall_rows * rows).sum() / n_rows),
+            "mass_recall": float((mass_rows * rows).sum() / n_rows),
+        }
+
+
+def _check_shapes(pred: torch.Tensor, target: torch.Tensor, valid_mask: torch.Tensor) -> None:
+    if pred.shape != target.shape or pred.ndim != 3:
+        raise ValueError(
+            f"pred {tuple(pred.shape)} and target {tuple(target.shape)} must both be (batch, kv_heads, seq)"
+        )
+    if valid_mask.shape != (pred.shape[0], pred.shape[2]):
+        raise ValueError(
+            f"valid_mask has shape {tuple(valid_mask.shape)}; expected {(pred.shape[0], pred.shape[2])}"
+        )
+
+
+def compute_loss(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    valid_mask: torch.Tensor,
+    cfg: LossConfig | None = None,
+    log_target: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss `cfg.kind` names, and its metrics. pred, target `(batch, kv_heads, seq)`;
+    valid_mask `(batch, seq)`; `log_target`: the target holds log scores (else weights >= 0)."""
+    cfg = LossConfig() if cfg is None else cfg
+    if cfg.kind == "mse":
+        return mse_loss(pred, target, valid_mask, cfg, log_target)
+    if log_target:
+        target = torch.where(valid_mask[:, None].bool(), target.detach().float().exp(), 0.0)
+    return ranking_loss(pred, target, valid_mask, cfg)
+
+
+def mse_loss(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    valid_mask: torch.Tensor,
+    cfg: LossConfig | None = None,
+    log_target: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean squared error of `pred` against the log target over the ranked positions (module
+    docstring), with `loss`, `mse`, `recall` and `mass_recall` (mass = exp of the log target)."""
+    cfg = LossConfig(kind="mse") if cfg is None else cfg
+    _check_shapes(pred, target, valid_mask)
+    pred = pred.float()
+    target = target.detach().float()
+    log_t = target if log_target else target.clamp_min(MSE_FLOOR).log()
+    ranked = ranked_positions(valid_mask.to(pred.device), cfg.sink_tokens, cfg.recent_window)[
+        :, None
+    ]  # (b, 1, s)
+    n_ranked = ranked.sum(-1, keepdim=True)
+    rows = (n_ranked > 0).expand(-1, pred.shape[1], -1).squeeze(-1)
+    n_rows = rows.sum().clamp_min(1)
+    sq = torch.where(ranked, (pred - torch.where(ranked, log_t, 0.0)) ** 2, 0.0)
+    count = (ranked.expand_as(sq)).sum().clamp_min(1)
+    loss = sq.sum() / count
+    k = (cfg.budget * n_ranked).round().clamp_min(1).long()
+    in_target = _top_k_mask(log_t, ranked, k)
+    weight = torch.where(ranked, log_t.exp(), 0.0)
+    metrics = {
+        "loss": float(loss.detach()),
+        "mse": float(loss.detach()),
+        **_recall_metrics(pred, weight, in_target, ranked, k, rows, n_rows),
+    }
+    return loss, metrics
+
+
 def ranking_loss(
     pred: torch.Tensor,
     target: torch.Tensor,
@@ -120,14 +216,7 @@ def ranking_loss(
     pred, target `(batch, kv_heads, seq)`; valid_mask `(batch, seq)` bool; cfg defaults to `LossConfig()`.
     """
     cfg = LossConfig() if cfg is None else cfg
-    if pred.shape != target.shape or pred.ndim != 3:
-        raise ValueError(
-            f"pred {tuple(pred.shape)} and target {tuple(target.shape)} must both be (batch, kv_heads, seq)"
-        )
-    if valid_mask.shape != (pred.shape[0], pred.shape[2]):
-        raise ValueError(
-            f"valid_mask has shape {tuple(valid_mask.shape)}; expected {(pred.shape[0], pred.shape[2])}"
-        )
+    _check_shapes(pred, target, valid_mask)
     pred = pred.float()
     target = target.detach().float().clamp_min(0.0)
     ranked = ranked_positions(valid_mask.to(pred.device), cfg.sink_tokens, cfg.recent_window)[
@@ -162,19 +251,10 @@ def ranking_loss(
 
     loss = cfg.kl_weight * kl + cfg.topk_weight * bce
 
-    with torch.no_grad():
-        in_pred = _top_k_mask(pred, ranked, k)
-        hit = (in_pred & in_target).sum(-1).float()
-        recall_rows = hit / k.squeeze(-1).float()
-        mass = torch.where(ranked, target, torch.zeros_like(target))
-        best = (mass * in_target).sum(-1)
-        got = (mass * in_pred).sum(-1)
-        mass_rows = torch.where(best > 0, got / best.clamp_min(1e-30), torch.ones_like(best))
-        metrics = {
-            "loss": float(loss.detach()),
-            "kl": float(kl.detach()),
-            "bce": float(bce.detach()),
-            "recall": float((recall_rows * rows).sum() / n_rows),
-            "mass_recall": float((mass_rows * rows).sum() / n_rows),
-        }
+    metrics = {
+        "loss": float(loss.detach()),
+        "kl": float(kl.detach()),
+        "bce": float(bce.detach()),
+        **_recall_metrics(pred, target, in_target, ranked, k, rows, n_rows),
+    }
     return loss, metrics

@@ -11,8 +11,11 @@ Each layer's module is:
 
 - `kind="linear"`: `RMSNorm -> Linear(hidden_size, kv_heads)`
 - `kind="mlp"` (default): `RMSNorm -> Linear(hidden_size, hidden) -> GELU -> Linear(hidden, kv_heads)`
+- `kind="kvzap"`: `Linear(hidden_size, hidden) -> GELU -> Linear(hidden, kv_heads)`, KVzap's MLP
+  (NVIDIA kvpress, hidden 512 there) exactly: no norm, so it reads the raw attention inputs and
+  can regress absolute log scores (its target divides by the query token's norm, not the key's).
 
-The RMSNorm has no learnable weight: it only rescales each token's vector to unit RMS, so the
+The RMSNorm of "linear" and "mlp" has no learnable weight: it only rescales each token's vector to unit RMS, so the
 head is insensitive to the base model's activation scale (Gemma's layernorm weights, bf16) and
 trains stably with one learning rate. The head always computes in float32, whatever the dtype of
 its input, so that rankings are not decided by bf16 rounding. With gemma-3-270m (hidden 640,
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-KINDS = ("linear", "mlp")
+KINDS = ("linear", "mlp", "kvzap")
 
 
 class _RMSNormNoWeight(nn.Module):
@@ -42,6 +45,10 @@ class _RMSNormNoWeight(nn.Module):
 def _layer_module(kind: str, hidden_size: int, num_kv_heads: int, hidden: int) -> nn.Module:
     if kind == "linear":
         return nn.Sequential(_RMSNormNoWeight(), nn.Linear(hidden_size, num_kv_heads))
+    if kind == "kvzap":
+        return nn.Sequential(
+            nn.Linear(hidden_size, hidden), nn.GELU(), nn.Linear(hidden, num_kv_heads)
+        )
     return nn.Sequential(
         _RMSNormNoWeight(),
         nn.Linear(hidden_size, hidden),
@@ -99,7 +106,7 @@ class GatingHead(nn.Module):
             raise ValueError(
                 f"hidden_states has shape {tuple(hidden_states.shape)}; expected (batch, seq, {self.hidden_size})"
             )
-        param = self.heads[key][1].weight
+        param = next(self.heads[key].parameters())
         x = hidden_states.to(device=param.device, dtype=param.dtype)
         return self.heads[key](x).transpose(1, 2)
 

@@ -134,3 +134,74 @@ def test_config_validation():
         LossConfig.from_dict({"margin": 1})
     with pytest.raises(ValueError, match="valid_mask"):
         ranking_loss(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.ones(1, 5, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------- mse (KVzap's loss)
+
+
+def test_mse_equals_its_formula_on_the_ranked_positions():
+    from sparsekv.losses import compute_loss, mse_loss
+
+    g = torch.Generator().manual_seed(4)
+    pred = torch.randn(2, 3, 12, generator=g)
+    log_t = torch.randn(2, 3, 12, generator=g) - 3.0
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, -4:] = False
+    cfg = LossConfig(kind="mse", sink_tokens=1, recent_window=2)
+    loss, m = compute_loss(pred, log_t, valid, cfg, log_target=True)
+    ranked = ranked_positions(valid, 1, 2)[:, None].expand_as(pred)
+    expected = ((pred - log_t)[ranked] ** 2).mean()
+    torch.testing.assert_close(loss, expected)
+    assert m["mse"] == pytest.approx(expected.item()) and set(m) >= {"recall", "mass_recall"}
+    # a distribution target is regressed in log space
+    dist = log_t.exp()
+    loss2, _ = mse_loss(pred, dist, valid, cfg, log_target=False)
+    torch.testing.assert_close(loss2, expected, rtol=1e-5, atol=1e-6)
+    # prediction equal to the target: zero loss, perfect recall
+    zero, mz = compute_loss(log_t.clone(), log_t, valid, cfg, log_target=True)
+    assert zero.item() == 0.0 and mz["recall"] == 1.0 and mz["mass_recall"] == 1.0
+
+
+def test_mse_gradient_only_on_ranked_positions_and_descends():
+    from sparsekv.losses import compute_loss
+
+    g = torch.Generator().manual_seed(5)
+    log_t = torch.randn(1, 2, 16, generator=g)
+    valid = torch.ones(1, 16, dtype=torch.bool)
+    valid[0, :3] = False
+    pred = torch.zeros(1, 2, 16, requires_grad=True)
+    cfg = LossConfig(kind="mse")
+    loss, _ = compute_loss(pred, log_t, valid, cfg, log_target=True)
+    loss.backward()
+    assert (pred.grad[..., :3] == 0).all() and (pred.grad[..., 3:] != 0).all()
+    opt = torch.optim.Adam([pred], lr=0.1)
+    for _ in range(300):
+        loss, m = compute_loss(pred, log_t, valid, cfg, log_target=True)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert m["mse"] < 1e-3 and m["recall"] == 1.0
+
+
+def test_ranking_loss_on_a_log_target_uses_its_exponential():
+    from sparsekv.losses import compute_loss
+
+    target = _target()
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    pred = torch.randn(2, 2, 20, generator=torch.Generator().manual_seed(2))
+    a, _ = compute_loss(pred, target.log(), valid, LossConfig(), log_target=True)
+    b, _ = ranking_loss(pred, target, valid, LossConfig())
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"kind": "l2"}, "kind='l2' is not supported; allowed values: ranking, mse"),
+        ({"kind": "ranking", "kl_weight": 0, "topk_weight": 0}, "both 0"),
+    ],
+)
+def test_loss_kind_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossConfig(**kwargs)
+    LossConfig(kind="mse", kl_weight=0, topk_weight=0)  # unused under mse: allowed

@@ -8,7 +8,7 @@ import torch
 from sparsekv.scorer import GatingHead
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("kind", ["linear", "mlp", "kvzap"])
 def test_shapes_and_parameter_count(kind):
     head = GatingHead(hidden_size=64, num_kv_heads=2, layers=[3, 1], kind=kind, hidden=16)
     assert head.layers == [1, 3] and sorted(head.heads) == ["1", "3"]
@@ -77,3 +77,16 @@ def test_head_is_under_one_percent_of_the_default_model(default_model):
         f"gating head: {head.num_parameters():,} parameters = {head.num_parameters() / base:.4%} of {base:,}"
     )
     assert head.num_parameters() <= 0.01 * base
+
+
+def test_kvzap_kind_is_kvzaps_mlp_without_a_norm():
+    """Linear -> GELU -> Linear on the raw input: scaling the input changes the scores (the
+    normed kinds are scale-invariant), and the output is exactly the three modules composed."""
+    head = GatingHead(64, 2, [0], kind="kvzap", hidden=512)
+    lin1, act, lin2 = head.heads["0"]
+    assert isinstance(act, torch.nn.GELU) and lin1.out_features == 512 and lin2.in_features == 512
+    h = torch.randn(1, 5, 64)
+    out = head.forward_layer(0, h)
+    torch.testing.assert_close(out, lin2(act(lin1(h))).transpose(1, 2))
+    assert not torch.allclose(head.forward_layer(0, 3 * h), out)
+    assert head.forward_layer(0, h.bfloat16()).dtype == torch.float32
