@@ -1,0 +1,510 @@
+"""Compress once, ask many: a context prefilled once through a `SparseKVCache`, then asked any
+number of questions, each from its own copy of the compressed cache.
+
+This is the query-agnostic use (the evaluation's "agnostic" protocol as an API): the cache
+compresses the document before any question is known, and every question (and its answer)
+then goes through a fresh copy of that compressed cache under the same eviction config, so
+one question never changes what the next one sees and the context is never prefilled again.
+
+    ctx = sparsekv.compress(model, context_ids, EvictionConfig(budget=0.3), adapter)
+    out = ctx.generate(question_ids, max_new_tokens=32)   # (1, question + new) token ids
+    ctx.save("doc.ctx"); ctx = CompressedContext.load("doc.ctx", model, policy=adapter)
+
+    doc = sparsekv.compress_text(model, tokenizer, text, EvictionConfig(budget=0.3), "snapkv")
+    doc.ask("Who wrote it?"); doc.ask_many(["When?", "Where?"])
+
+A policy is a name (`policies.available()`, "learned:DIR"), a `Policy`, or a `ScorerAdapter`:
+an adapter (or "learned:DIR") scores with its recorded "agnostic" use settings, since
+compressing before the question is that use.
+
+What a compressed context holds (batch 1): the context ids `(1, n)` and, per cache layer, the
+state a cache layer carries between steps: for budgeted layers `keys`/`values`
+`(1, kv_heads, kept, head_dim)` (int8 plus `key_scale`/`value_scale` `(1, kv_heads, kept, 1)`
+under `quantize="int8"`), `positions`, `scores` and `observed` `(1, kv_heads, kept)`, and the
+counters `seen`, `decode_steps`, `evicted`; for the other layers (sliding windows) their keys
+and values. `save` writes them as `context.safetensors` plus `context.json` (eviction config,
+policy spec, model shape and a fingerprint of its weights, token counts, kept entries per
+layer) into a folder, atomically; `load` refuses another model, dtype or policy.
+
+It owns the snapshot and restore of a cache's state; the cache's own rules (what is kept,
+positions, masks) stay in `sparsekv.cache`, which it only reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparsekv.cache import _PER_ENTRY, EvictingLayer, SparseKVCache
+from sparsekv.config import EvictionConfig
+from sparsekv.families import attention_modules, model_shape
+from sparsekv.policies import Policy, available
+from sparsekv.policies import get as get_policy
+
+__all__ = ["CompressedContext", "TextContext", "compress", "compress_text"]
+
+FORMAT_VERSION = 1
+TENSORS_FILE = "context.safetensors"
+META_FILE = "context.json"
+_EVICTING_COUNTERS = ("seen", "decode_steps", "evicted", "has_padding")
+
+
+# ---------------------------------------------------------------------- policy resolution
+
+
+def _resolve_policy(policy: Any) -> tuple[Policy, dict[str, Any]]:
+    """`policy` -> (the Policy the cache scores with, a JSON spec of it for `save`).
+
+    Spec kinds: "name" (rebuilt from the name on load), "adapter" (a `ScorerAdapter` or
+    "learned:DIR" under its agnostic use; its fingerprint is checked on load) and "policy"
+    (an instance: `load` needs it passed again)."""
+    if isinstance(policy, str):
+        if policy.startswith("learned:"):
+            built, spec = _resolve_policy(get_policy(policy).adapter)  # loads the folder / Hub repo
+            return built, {**spec, "source": policy.partition(":")[2]}
+        built = get_policy(policy)
+        return built, {"kind": "name", "name": built.name, "spec": policy, "repr": repr(built)}
+    if isinstance(policy, Policy):
+        spec = {"kind": "policy", "name": policy.name, "repr": repr(policy)}
+        if getattr(policy, "adapter", None) is not None:
+            spec = {**_adapter_spec(policy, source=None), "kind": "policy"}
+        return policy, spec
+    if hasattr(policy, "score_layer"):  # a ScorerAdapter (or any LayerScorer)
+        built = get_policy(
+            "learned", adapter=policy, use="agnostic" if hasattr(policy, "settings") else None
+        )
+        return built, _adapter_spec(built, source=None)
+    raise ValueError(
+        f"policy={policy!r} must be a policy name, a Policy or a ScorerAdapter; known policies: "
+        f"{', '.join(available())}"
+    )
+
+
+def _adapter_spec(policy: Policy, source: str | None) -> dict[str, Any]:
+    adapter = getattr(policy, "adapter", None)
+    fp = getattr(adapter, "fingerprint", None)
+    return {
+        "kind": "adapter",
+        "name": policy.name,
+        "source": source,
+        "use": getattr(policy, "use", None),
+        "adapter_fingerprint": fp() if callable(fp) else None,
+        "repr": repr(policy),
+    }
+
+
+def _policy_for_load(spec: dict[str, Any], policy: Any, path: Path) -> Policy:
+    """The policy a loaded context continues with: `policy` when given (checked against the
+    recorded spec), else rebuilt from the spec when it names one."""
+    if policy is None:
+        if spec["kind"] == "name":
+            return get_policy(spec["spec"])
+        if spec["kind"] == "adapter" and spec.get("source"):
+            policy = f"learned:{spec['source']}"
+        else:
+            raise ValueError(
+                f"{path}: this context was compressed with {spec['repr']}; pass it again as "
+                "CompressedContext.load(path, model, policy=...)"
+            )
+    built, given = _resolve_policy(policy)
+    want, got = spec.get("adapter_fingerprint"), given.get("adapter_fingerprint")
+    if want is not None and got != want:
+        raise ValueError(
+            f"{path}: the context was compressed with an adapter of fingerprint {want[:12]}…, "
+            f"but policy= has {str(got)[:12]}…: another adapter would score its questions differently"
+        )
+    if given["name"] != spec["name"]:
+        raise ValueError(
+            f"{path}: the context was compressed with {spec['repr']}, not {given['repr']}"
+        )
+    return built
+
+
+# ---------------------------------------------------------------------- model identity
+
+
+def model_fingerprint(model) -> str:
+    """sha256 of the first budgeted layer's key and value projections (float32 bytes): tells two
+    models of the same shape apart, which a saved cache's keys and values belong to one of."""
+    shape = model_shape(model)
+    attn = attention_modules(model)[shape.full_layers[0]]
+    h = hashlib.sha256(b"sparsekv-model-fingerprint/1\n")
+    for proj in (attn.k_proj, attn.v_proj):
+        w = proj.weight.detach().float().cpu().contiguous()
+        h.update(w.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _model_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+# ---------------------------------------------------------------------- snapshot / restore
+
+
+def _layer_kind(layer: Any) -> str:
+    return "evicting" if isinstance(layer, EvictingLayer) else type(layer).__name__
+
+
+def snapshot(cache: SparseKVCache) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The state of every layer of `cache` between two steps: (tensors by name, JSON metadata).
+
+    The tensors are the cache's own (not copies). Raises if the cache is mid-step or holds
+    recorded statistics (a `record=` cache is for `fork`, not for this)."""
+    tensors: dict[str, torch.Tensor] = {}
+    layers: list[dict[str, Any]] = []
+    for i, layer in enumerate(cache.layers):
+        kind = _layer_kind(layer)
+        if not getattr(layer, "is_initialized", False) or layer.keys is None:
+            layers.append({"kind": kind, "empty": True})
+            continue
+        if isinstance(layer, EvictingLayer):
+            if layer.num_new or layer._live is not None or layer.recorded:
+                raise ValueError(
+                    f"layer {i} is mid-step or recorded statistics: nothing to snapshot yet"
+                )
+            for name in _PER_ENTRY:
+                t = getattr(layer, name)
+                if t is not None:
+                    tensors[f"layers.{i}.{name}"] = t
+            meta = {k: getattr(layer, k) for k in _EVICTING_COUNTERS}
+            meta["kept"] = int(layer.keys.shape[-2])
+        else:
+            tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys, layer.values
+            meta = {"kept": int(layer.keys.shape[-2])}
+            if hasattr(layer, "cumulative_length"):
+                meta["cumulative_length"] = int(layer.cumulative_length)
+        layers.append({"kind": kind, "empty": False, **meta})
+    if cache.shared.first_valid is not None:
+        tensors["first_valid"] = cache.shared.first_valid
+    return tensors, {"layers": layers}
+
+
+def restore(
+    model,
+    config: EvictionConfig,
+    policy: Policy,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    dtype: torch.dtype,
+) -> SparseKVCache:
+    """A new `SparseKVCache` on `model` holding copies of a `snapshot`'s state (the snapshot is
+    never shared with it, so the new cache may evict and grow freely)."""
+    cache = SparseKVCache(model, config, policy)
+    if len(meta["layers"]) != len(cache.layers):
+        raise ValueError(
+            f"the context has {len(meta['layers'])} cache layers but the model has {len(cache.layers)}"
+        )
+    device = next(model.parameters()).device
+    for i, (layer, m) in enumerate(zip(cache.layers, meta["layers"])):
+        if m["kind"] != _layer_kind(layer):
+            raise ValueError(
+                f"cache layer {i}: the context holds a {m['kind']} layer, the model a "
+                f"{_layer_kind(layer)} one"
+            )
+        if m["empty"]:
+            continue
+        keys = tensors[f"layers.{i}.keys"]
+        b, h, _, d = keys.shape
+        # Initializes device and dtype bookkeeping as the layer's first update would.
+        layer.lazy_initialization(
+            torch.empty(b, h, 0, d, dtype=dtype, device=device),
+            torch.empty(b, h, 0, d, dtype=dtype, device=device),
+        )
+        names = _PER_ENTRY if isinstance(layer, EvictingLayer) else ("keys", "values")
+        for name in names:
+            t = tensors.get(f"layers.{i}.{name}")
+            if t is not None:
+                setattr(layer, name, t.to(device, copy=True))
+        if isinstance(layer, EvictingLayer):
+            for k in _EVICTING_COUNTERS:
+                setattr(layer, k, type(getattr(layer, k))(m[k]))
+        elif "cumulative_length" in m:
+            layer.cumulative_length = m["cumulative_length"]
+    if "first_valid" in tensors:
+        cache.shared.first_valid = tensors["first_valid"].to(device, copy=True)
+    cache.reset_peak()
+    return cache
+
+
+# ---------------------------------------------------------------------- the compressed context
+
+
+def _as_ids(ids: Any, name: str, device: torch.device) -> torch.Tensor:
+    """A list of ints, a 1-D tensor or a `(1, n)` tensor -> `(1, n)` long tensor on `device`."""
+    t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.long)
+    if t.ndim == 1:
+        t = t[None]
+    if t.ndim != 2 or t.shape[0] != 1:
+        raise ValueError(
+            f"{name} must be token ids of one sequence: a list, a 1-D tensor or shape (1, n); got "
+            f"shape {tuple(t.shape)} (ask several questions one after the other)"
+        )
+    if t.shape[1] == 0:
+        raise ValueError(f"{name} is empty: at least one token is needed")
+    if t.dtype not in (torch.long, torch.int, torch.int32):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {t.dtype}")
+    return t.to(device, torch.long)
+
+
+class CompressedContext:
+    """A context compressed once through a `SparseKVCache`; `generate` answers questions from
+    copies of it. Build it with `compress` or `CompressedContext.load`."""
+
+    def __init__(
+        self,
+        model,
+        config: EvictionConfig,
+        policy: Policy,
+        policy_spec: dict[str, Any],
+        context_ids: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+    ):
+        self.model = model
+        self.config = config
+        self.policy = policy
+        self.policy_spec = policy_spec
+        self.context_ids = context_ids  # (1, n)
+        self._tensors = tensors
+        self._meta = meta
+        self._dtype = _model_dtype(model)
+
+    # ---- what it holds ------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the context (seen by the cache), not the entries kept."""
+        return int(self.context_ids.shape[1])
+
+    def kept(self) -> list[int]:
+        """Entries stored per cache layer (budgeted and sliding layers alike)."""
+        return [0 if m["empty"] else m["kept"] for m in self._meta["layers"]]
+
+    def kv_bytes(self) -> int:
+        """Bytes of the compressed keys and values (int8 scales included)."""
+        return sum(
+            t.nbytes
+            for k, t in self._tensors.items()
+            if k.endswith((".keys", ".values", ".key_scale", ".value_scale"))
+        )
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The compressed state by name (read-only view for inspection and tests)."""
+        return dict(self._tensors)
+
+    def cache(self) -> SparseKVCache:
+        """A fresh `SparseKVCache` holding a copy of the compressed context: pass it as `cache=`
+        with `input_ids` = context + new tokens (`generate` does this). Close it when done."""
+        return restore(self.model, self.config, self.policy, self._tensors, self._meta, self._dtype)
+
+    # ---- asking -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, question_ids: Any, **generate_kwargs: Any):
+        """Answer one question: `model.generate` on context + question over a fresh copy of the
+        compressed cache (the question's tokens and the answer's go through it under the same
+        eviction config and policy). `question_ids`: `(1, q)`, a 1-D tensor or a list of ints.
+
+        Returns what `model.generate` returns with the context cut off: `(1, q + new)` token ids
+        (or its output object with `.sequences` so cut, under `return_dict_in_generate=True`).
+        """
+        for key in ("input_ids", "attention_mask", "cache", "past_key_values"):
+            if key in generate_kwargs:
+                raise ValueError(
+                    f"generate(..., {key}=...) is set by the compressed context; leave it out"
+                )
+        device = self.context_ids.device
+        q = _as_ids(question_ids, "question_ids", device)
+        ids = torch.cat([self.context_ids, q], dim=1)
+        mask = torch.ones_like(ids)
+        cache = self.cache()
+        try:
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, cache=cache, **generate_kwargs
+            )
+        finally:
+            cache.close()
+        n = self.num_tokens
+        if isinstance(out, torch.Tensor):
+            return out[:, n:]
+        out.sequences = out.sequences[:, n:]
+        return out
+
+    # ---- persistence --------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the context into folder `path` (`context.safetensors` + `context.json`),
+        atomically: a complete folder or the previous one, never half of each."""
+        from safetensors.torch import save_file
+
+        final = Path(path).expanduser()
+        if final.exists() and not (final / META_FILE).is_file():
+            raise ValueError(
+                f"path={str(final)!r} exists and is not a saved compressed context; "
+                "choose a new folder"
+            )
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "config": self.config.to_dict(),
+            "policy": self.policy_spec,
+            "model_shape": model_shape(self.model).to_dict(),
+            "model_fingerprint": model_fingerprint(self.model),
+            "dtype": str(self._dtype).removeprefix("torch."),
+            "num_tokens": self.num_tokens,
+            "kept": self.kept(),
+            **self._meta,
+        }
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self._tensors.items()}
+        tensors["context_ids"] = self.context_ids.cpu().contiguous()
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "sparsekv-context"})
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            if final.exists():
+                os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model, policy: Any = None) -> CompressedContext:
+        """A context written by `save`, for `model` (the same model: shape, weights and dtype are
+        checked). `policy`: needed again when the context was compressed with a `ScorerAdapter`
+        or a `Policy` instance (a name or "learned:DIR" is rebuilt from the record)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        folder = Path(path).expanduser()
+        meta_path, tensors_path = folder / META_FILE, folder / TENSORS_FILE
+        if not meta_path.is_file() or not tensors_path.is_file():
+            raise FileNotFoundError(
+                f"path={str(folder)!r} is not a saved compressed context "
+                f"(needs {META_FILE} and {TENSORS_FILE})"
+            )
+        try:
+            meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{meta_path}: not valid JSON ({e})") from None
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{meta_path}: format_version={meta.get('format_version')!r}; this "
+                f"sparsekv reads compressed contexts of format {FORMAT_VERSION}"
+            )
+        shape = model_shape(model).to_dict()
+        if meta["model_shape"] != shape:
+            diff = sorted(k for k in shape if meta["model_shape"].get(k) != shape[k])
+            raise ValueError(
+                f"{folder}: the context was compressed by another model ({meta['model_shape']['model_type']}, "
+                f"differing in {', '.join(diff)}); load it onto the model that compressed it"
+            )
+        dtype = str(_model_dtype(model)).removeprefix("torch.")
+        if meta["dtype"] != dtype:
+            raise ValueError(
+                f"{folder}: the context holds {meta['dtype']} keys and values but the "
+                f"model runs in {dtype}; load the model in {meta['dtype']}"
+            )
+        if meta["model_fingerprint"] != model_fingerprint(model):
+            raise ValueError(
+                f"{folder}: the context was compressed by another model of the same shape (its "
+                "key/value projection weights differ); load it onto the model that compressed it"
+            )
+        try:
+            tensors = load_file(str(tensors_path))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{tensors_path}: unreadable safetensors file ({e})") from None
+        config = EvictionConfig.from_dict(meta["config"])
+        built = _policy_for_load(meta["policy"], policy, folder)
+        device = next(model.parameters()).device
+        ids = tensors.pop("context_ids").to(device)
+        if ids.shape != (1, meta["num_tokens"]):
+            raise ValueError(
+                f"{tensors_path}: context_ids of shape {tuple(ids.shape)}, expected "
+                f"(1, {meta['num_tokens']})"
+            )
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+        return cls(model, config, built, meta["policy"], ids, tensors, {"layers": meta["layers"]})
+
+    def __repr__(self) -> str:
+        return (
+            f"CompressedContext(tokens={self.num_tokens}, kept={self.kept()}, "
+            f"policy={self.policy!r}, budget={self.config.budget})"
+        )
+
+
+@torch.no_grad()
+def compress(
+    model, context_ids: Any, config: EvictionConfig, policy: Any = "snapkv"
+) -> CompressedContext:
+    """Prefill `context_ids` (`(1, n)`, a 1-D tensor or a list of ints) through a
+    `SparseKVCache(model, config, policy)` and keep what it kept: a `CompressedContext` whose
+    `generate` answers questions without compressing again. `policy`: a name, a `Policy`, or a
+    `ScorerAdapter` (scoring with its recorded "agnostic" use settings)."""
+    if not isinstance(config, EvictionConfig):
+        raise ValueError(f"config must be an EvictionConfig, got {type(config).__name__}")
+    built, spec = _resolve_policy(policy)
+    device = next(model.parameters()).device
+    ids = _as_ids(context_ids, "context_ids", device)
+    with SparseKVCache(model, config, built) as cache:
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        tensors, meta = snapshot(cache)
+    return CompressedContext(model, config, built, spec, ids, tensors, meta)
+
+
+# ---------------------------------------------------------------------- text convenience
+
+
+class TextContext:
+    """A `CompressedContext` with its tokenizer: questions and answers as text."""
+
+    def __init__(self, context: CompressedContext, tokenizer):
+        self.context = context
+        self.tokenizer = tokenizer
+
+    def ask(self, question: str, max_new_tokens: int = 64, **generate_kwargs: Any) -> str:
+        """The answer to `question` (greedy unless `do_sample=True` is passed), special tokens
+        dropped. The question's text is appended to the context's as is: include the separator
+        (a newline or a space) the prompt needs."""
+        if not isinstance(question, str) or not question:
+            raise ValueError(f"question={question!r} must be a non-empty string")
+        ids = self.tokenizer(question, add_special_tokens=False)["input_ids"]
+        generate_kwargs.setdefault("do_sample", False)
+        out = self.context.generate(ids, max_new_tokens=max_new_tokens, **generate_kwargs)
+        return self.tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+
+    def ask_many(self, questions: Sequence[str], **kwargs: Any) -> list[str]:
+        """`ask` for each question, each from its own copy of the compressed context."""
+        if isinstance(questions, str):
+            raise ValueError("questions must be a list of strings (got one string); use ask()")
+        return [self.ask(q, **kwargs) for q in questions]
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return self.context.save(path)
+
+    def __repr__(self) -> str:
+        return f"TextContext({self.context!r})"
+
+
+def compress_text(
+    model,
+    tokenizer,
+    context: str,
+    config: EvictionConfig,
+    policy: Any = "snapkv",
+    add_special_tokens: bool = True,
+) -> TextContext:
+    """`compress` for text: `context` is tokenized (with the tokenizer's special tokens, e.g.
+    BOS, unless `add_special_tokens=False`) and compressed; ask it with `.ask` / `.ask_many`."""
+    if not isinstance(context, str) or not context:
+        raise ValueError(f"context={context!r} must be a non-empty string")
+    ids = tokenizer(context, add_special_tokens=add_special_tokens)["input_ids"]
+    return TextContext(compress(model, ids, config, policy), tokenizer)
