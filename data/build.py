@@ -26,15 +26,17 @@ import json
 import os
 import random
 import re
-import sysconfig
 import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-SOURCES = ("pydoc", "docstrings", "licenses")
+from sparsekv import sources
+
+# The training side of the split: only families that sparsekv.sources marks "train" (the
+# evaluation reads the "eval" ones), checked at import.
+SOURCES = tuple(f.name for f in sources.families(split="train", kind="prose"))
 KINDS = ("passkey", "kv", "vars")
-LICENSE_DIR = Path("/usr/share/common-licenses")
 
 
 @dataclass
@@ -72,45 +74,6 @@ class BuildConfig:
 # ---------------------------------------------------------------- prose
 
 
-def _pydoc_docs() -> list[tuple[str, str]]:
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # pragma: no cover - some distributions strip pydoc_data
-        return []
-    return [(f"pydoc:{k}", v) for k, v in sorted(topics.items())]
-
-
-def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
-    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
-    return sorted(files)
-
-
-def _docstrings_text(path: Path) -> str:
-    """Module, class and function docstrings of one source file, as one document."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
-        return ""
-    parts = []
-    doc = ast.get_docstring(tree)
-    if doc:
-        parts.append(f"Module {path.stem}.\n\n{doc}")
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            d = ast.get_docstring(node)
-            if d and len(d) > 40:
-                parts.append(f"{node.name}: {d}")
-    return "\n\n".join(parts)
-
-
-def _license_docs() -> list[tuple[str, Path]]:
-    if not LICENSE_DIR.is_dir():
-        return []
-    return [(f"license:{p.name}", p) for p in sorted(LICENSE_DIR.iterdir()) if p.is_file()]
-
-
 def _split_doc(text: str, limit: int) -> list[str]:
     """Cut `text` at paragraph breaks into pieces of at most `limit` characters."""
     pieces, cur = [], ""
@@ -129,24 +92,15 @@ def _split_doc(text: str, limit: int) -> list[str]:
 
 def collect_prose(cfg: BuildConfig) -> list[dict]:
     """Prose records in a seed-shuffled document order, up to `cfg.max_prose_chars`."""
-    items: list[tuple[str, object]] = []
-    if "pydoc" in cfg.sources:
-        items += _pydoc_docs()
-    if "docstrings" in cfg.sources:
-        items += [(f"docstrings:{p.stem}", p) for p in _stdlib_files()]
-    if "licenses" in cfg.sources:
-        items += _license_docs()
+    items: list[tuple[str, str]] = []
+    for family in SOURCES:  # the fixed order of the families, then a seeded shuffle
+        if family in cfg.sources:
+            items += sources.read(family)
     random.Random(cfg.seed).shuffle(items)
     records, total = [], 0
-    for name, item in items:
+    for name, text in items:
         if total >= cfg.max_prose_chars:
             break
-        if isinstance(item, str):
-            text = item
-        elif name.startswith("docstrings:"):
-            text = _docstrings_text(item)
-        else:
-            text = item.read_text(encoding="utf-8", errors="replace")
         text = text.strip()
         if len(text) < 200:
             continue

@@ -1,25 +1,23 @@
-"""Real English prose available on every machine, cleaned into documents of sentences.
+"""The evaluation's text: English prose, code and procedures from evaluation-only sources.
 
-Sources, read in a fixed order so the corpus is the same on every run of one machine:
-1. the Python language reference topics shipped with the interpreter (`pydoc_data.topics`),
-2. the docstrings of the standard-library modules (read with `ast`, nothing is imported),
-3. the license texts in `/usr/share/common-licenses/` where present (Debian and derivatives).
+Every text here comes from the `eval` families of `sparsekv.sources` (the Lee news corpus and
+the Wikipedia articles shipped in the pinned gensim wheel for prose, gensim's own source files
+for code, the numbered procedures of the installed manuals for steps); the training corpus reads
+only the `train` families, so no evaluation prompt reuses training text.
 
-Only prose paragraphs are kept: code blocks, grammar rules, headings, tables and lists of short
-items are dropped; typographic quotes are folded to ASCII. Nothing is downloaded. This module
-knows nothing about tokenizers or tasks.
+Prose is cleaned into documents of sentences: code blocks, headings, tables and lists of short
+items are dropped; typographic quotes are folded to ASCII. Sources are read in a fixed order, so
+the corpus is the same on every run. Nothing is downloaded. This module knows nothing about
+tokenizers or tasks.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import re
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 
-LICENSE_DIR = Path("/usr/share/common-licenses")
+from sparsekv import sources
 
 _ASCII_FOLD = str.maketrans(
     {
@@ -94,53 +92,17 @@ def clean_document(source: str, raw: str) -> Document | None:
     return Document(source, tuple(sentences), frozenset(starts))
 
 
-def _pydoc_topics() -> list[tuple[str, str]]:
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # pragma: no cover - stripped interpreters
-        return []
-    return [(f"pydoc:{k}", topics[k]) for k in sorted(topics)]
-
-
-def _module_docstrings() -> list[tuple[str, str]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(root.glob("*.py")) + sorted(root.glob("*/__init__.py"))
-    out = []
-    for f in files:
-        if any(part.startswith("test") for part in f.relative_to(root).parts):
-            continue
-        try:
-            doc = ast.get_docstring(ast.parse(f.read_text(encoding="utf-8")))
-        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
-            continue
-        if doc:
-            out.append((f"stdlib:{f.relative_to(root)}", doc))
-    return out
-
-
-def _licenses() -> list[tuple[str, str]]:
-    if not LICENSE_DIR.is_dir():
-        return []
-    out = []
-    for f in sorted(LICENSE_DIR.iterdir()):
-        if f.is_file() and not f.is_symlink():
-            try:
-                out.append((f"license:{f.name}", f.read_text(encoding="utf-8", errors="ignore")))
-            except OSError:
-                continue
-    return out
-
-
 @functools.lru_cache(maxsize=1)
 def corpus() -> tuple[Document, ...]:
-    """Every prose document available here, in a fixed order (cached per process)."""
+    """Every evaluation prose document, cleaned, in a fixed order (cached per process)."""
     docs = []
-    for source, raw in _pydoc_topics() + _module_docstrings() + _licenses():
-        d = clean_document(source, raw)
-        if d is not None:
-            docs.append(d)
+    for fam in sources.families(split="eval", kind="prose"):
+        for source, raw in sources.read(fam.name):
+            d = clean_document(source, raw)
+            if d is not None:
+                docs.append(d)
     if not docs:
-        raise RuntimeError("no prose found: pydoc_data and the standard-library sources are missing")
+        raise RuntimeError("no evaluation prose found (the gensim wheel is missing?)")
     return tuple(docs)
 
 
@@ -162,3 +124,24 @@ def join_sentences(items: list[tuple[str, bool]]) -> str:
             parts.append("\n\n" if new_par else " ")
         parts.append(s)
     return "".join(parts)
+
+
+def document_text(doc: Document) -> str:
+    """A cleaned document rebuilt as text, paragraphs separated by a blank line."""
+    return join_sentences([(s, i in doc.paragraph_starts) for i, s in enumerate(doc.sentences)])
+
+
+def eval_texts(kind: str) -> list[tuple[str, str]]:
+    """`(source name, text)` pairs of one kind of evaluation-only text, in a fixed order:
+    "prose" (cleaned English documents, paragraphs separated by blank lines), "code" (whole
+    source files, as shipped) or "steps" (numbered procedures: an introducing sentence, then
+    one line per step, `1. ...`). None of them shares a 64-character span with the default
+    training corpus (tests/test_text_split.py)."""
+    if kind not in sources.KINDS:
+        raise ValueError(f"kind={kind!r} must be one of: {', '.join(sources.KINDS)}")
+    if kind == "prose":
+        return [(d.source, document_text(d)) for d in corpus()]
+    out = []
+    for fam in sources.families(split="eval", kind=kind):
+        out += [(name, raw.translate(_ASCII_FOLD)) for name, raw in sources.read(fam.name)]
+    return out

@@ -1,0 +1,358 @@
+"""Where every text of the project comes from, and which side of the train/evaluation split it
+is on.
+
+`FAMILIES` is the fixed list of source families. Each is `train` (read only by the training
+corpus, `data/build.py`) or `eval` (read only by the evaluation tasks,
+`sparsekv.evaluation.text`), and has a `kind`: `prose` (English paragraphs), `code` (source
+files) or `steps` (numbered procedures in English). No family is read by both sides, so an
+evaluation prompt never reuses text the gating head was trained on (`tests/test_text_split.py`
+checks that no 64-character span of the evaluation text occurs in the default training corpus).
+
+- train: the Python help topics (`pydoc_data.topics`), the docstrings of the standard library
+  (read with `ast`, nothing imported) and the license texts of `/usr/share/common-licenses`.
+- eval: two English corpora and the source code shipped inside the `gensim` wheel (pinned in
+  `pyproject.toml`, so every machine reads the same bytes; gensim itself is never imported):
+  the Lee news corpus (ABC news articles, `test_data/lee_background.cor` and `lee.cor`), 206
+  English Wikipedia articles (`test_data/enwiki-...-shortened.bz2`, wiki markup removed here),
+  gensim's own `.py` files (code); and, for steps, the numbered procedures ("To do X: 1. ...
+  2. ... 3. ...") of the manuals that Debian installs in `/usr/share/info` and `/usr/share/doc`
+  (files named like licenses, copyrights or changelogs, and any file quoting a license, are
+  skipped: license texts are training material). The manuals depend on the Debian packages of
+  the machine; the prose and code are the same everywhere.
+
+Each reader returns `(document name, raw text)` pairs in a fixed order; cleaning prose into
+sentences is `sparsekv.evaluation.text`'s job. This module knows nothing about tokenizers, tasks
+or training.
+"""
+
+from __future__ import annotations
+
+import ast
+import bz2
+import functools
+import gzip
+import html
+import importlib.util
+import re
+import sysconfig
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+LICENSE_DIR = Path("/usr/share/common-licenses")
+INFO_DIR = Path("/usr/share/info")
+DOC_DIR = Path("/usr/share/doc")
+SPLITS = ("train", "eval")
+KINDS = ("prose", "code", "steps")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One source family: its `name`, its `split` ("train" or "eval"), the `kind` of text it
+    holds ("prose", "code" or "steps"), where it comes from, and its reader."""
+
+    name: str
+    split: str
+    kind: str
+    origin: str
+    reader: Callable[[], list[tuple[str, str]]]
+
+
+# ---------------------------------------------------------------- training families
+
+
+def _pydoc() -> list[tuple[str, str]]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # pragma: no cover - some distributions strip pydoc_data
+        return []
+    return [(f"pydoc:{k}", v) for k, v in sorted(topics.items())]
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's `.py` files, tests and vendored packages left out, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
+    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
+    return sorted(files)
+
+
+def docstrings_text(path: Path) -> str:
+    """Module, class and function docstrings of one source file, as one document."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+        return ""
+    parts = []
+    doc = ast.get_docstring(tree)
+    if doc:
+        parts.append(f"Module {path.stem}.\n\n{doc}")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            d = ast.get_docstring(node)
+            if d and len(d) > 40:
+                parts.append(f"{node.name}: {d}")
+    return "\n\n".join(parts)
+
+
+def _docstrings() -> list[tuple[str, str]]:
+    return [(f"docstrings:{p.stem}", docstrings_text(p)) for p in stdlib_files()]
+
+
+def _licenses() -> list[tuple[str, str]]:
+    if not LICENSE_DIR.is_dir():
+        return []
+    out = []
+    for p in sorted(LICENSE_DIR.iterdir()):
+        if p.is_file():
+            out.append((f"license:{p.name}", p.read_text(encoding="utf-8", errors="replace")))
+    return out
+
+
+# ---------------------------------------------------------------- evaluation families
+
+
+def gensim_dir() -> Path:
+    """The installed gensim package's folder (found without importing gensim)."""
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the evaluation texts come from the gensim wheel (pinned in pyproject.toml): "
+            "pip install -e . installs it"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _news() -> list[tuple[str, str]]:
+    data = gensim_dir() / "test" / "test_data"
+    out, seen = [], set()
+    for name in ("lee_background.cor", "lee.cor"):
+        lines = (data / name).read_text(encoding="utf-8", errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            line = line.strip()
+            if len(line) >= 200 and line not in seen:
+                seen.add(line)
+                out.append((f"news:{name.split('.')[0]}:{i}", line))
+    return out
+
+
+_WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+_WIKI_DROP_SECTIONS = re.compile(
+    r"^(see also|references|notes|external links|further reading|bibliography|sources|"
+    r"footnotes|citations|works cited|primary sources|secondary sources)$",
+    re.IGNORECASE,
+)
+
+
+def _strip_nested(text: str, open_: str, close: str) -> str:
+    """Remove every (possibly nested) `open_ ... close` span."""
+    out, depth, i = [], 0, 0
+    while i < len(text):
+        if text.startswith(open_, i):
+            depth += 1
+            i += len(open_)
+        elif depth and text.startswith(close, i):
+            depth -= 1
+            i += len(close)
+        else:
+            if not depth:
+                out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def wiki_to_text(markup: str) -> str:
+    """Plain paragraphs from MediaWiki markup: templates, tables, references, files, headings,
+    lists and the trailing reference sections dropped; links reduced to their label."""
+    t = re.sub(r"<!--.*?-->", "", markup, flags=re.DOTALL)
+    t = re.sub(r"<ref[^>/]*/>", "", t)
+    t = re.sub(r"<ref[^>]*>.*?</ref>", "", t, flags=re.DOTALL)
+    t = _strip_nested(t, "{{", "}}")
+    t = _strip_nested(t, "{|", "|}")
+    t = re.sub(r"<(math|gallery|timeline|source|syntaxhighlight|pre)[^>]*>.*?</\1>", "", t,
+               flags=re.DOTALL)
+    t = re.sub(r"<[^>]+>", "", t)
+    # Files and categories can nest links in their captions: drop them whole.
+    t = re.sub(r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]",
+               "", t)
+    t = re.sub(r"\[\[([^\]|]*)\|([^\]]*)\]\]", r"\2", t)
+    t = re.sub(r"\[\[([^\]]*)\]\]", r"\1", t)
+    t = re.sub(r"\[https?://[^\s\]]+ ?([^\]]*)\]", r"\1", t)
+    t = re.sub(r"'{2,}", "", t)
+    paras, out = re.split(r"\n\s*\n", t), []
+    for par in paras:
+        lines = []
+        for line in par.split("\n"):
+            s = line.strip()
+            heading = re.match(r"^=+\s*(.*?)\s*=+$", s)
+            if heading:
+                if _WIKI_DROP_SECTIONS.match(heading.group(1)):
+                    return "\n\n".join(out)
+                if lines:
+                    out.append(" ".join(lines))
+                    lines = []
+                continue
+            if not s or s[0] in "*#:;|!{}" or s.startswith("__"):
+                continue
+            lines.append(s)
+        if lines:
+            out.append(" ".join(lines))
+    return "\n\n".join(out)
+
+
+def _wikipedia() -> list[tuple[str, str]]:
+    path = gensim_dir() / "test" / "test_data" / _WIKI_FILE
+    out = []
+    with bz2.open(path, "rb") as f:
+        for _, elem in ET.iterparse(f):
+            if not elem.tag.endswith("}page"):
+                continue
+            ns = {"m": elem.tag[: -len("page")]}
+            title = elem.findtext(f"{ns['m']}title") or ""
+            body = ""
+            rev = elem.find(f"{ns['m']}revision")
+            if rev is not None:
+                body = rev.findtext(f"{ns['m']}text") or ""
+            elem.clear()
+            if not body or body.lstrip().upper().startswith("#REDIRECT"):
+                continue
+            text = wiki_to_text(html.unescape(body))
+            if len(text) >= 500:
+                out.append((f"wikipedia:{title}", text))
+    return out
+
+
+# gensim files that copy standard-library text (textcorpus.py quotes os.walk's docstring),
+# found by tests/test_text_split.py: left out, since the stdlib docstrings are training text.
+_GENSIM_QUOTES_TRAINING = frozenset({"corpora/textcorpus.py"})
+
+
+def _gensim_code() -> list[tuple[str, str]]:
+    root = gensim_dir()
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if "test" in rel.parts or p.name == "__init__.py" or rel.as_posix() in _GENSIM_QUOTES_TRAINING:
+            continue
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if len(text) >= 1000:
+            out.append((f"gensim:{rel.as_posix()}", text))
+    return out
+
+
+_ITEM = re.compile(r"^(\s{0,8})(\d{1,2})[.)]\s+(\S.*)$")
+_DOC_SKIP_NAME = re.compile(r"copyright|changelog|licen[cs]e|copying|authors|news", re.IGNORECASE)
+_DOC_SUFFIXES = {"", ".gz", ".txt", ".md", ".rst", ".info"}
+
+
+def procedures(text: str, max_item: int = 1500, max_chars: int = 6000) -> list[str]:
+    """Numbered procedures of a plain-text document: a paragraph that introduces them, then
+    items numbered 1., 2., 3., ... (>= 3 items, continuation lines folded into their item),
+    rebuilt as `intro\n1. ...\n2. ...`. Lists with an over-long item or total are skipped."""
+    lines = text.splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        m = _ITEM.match(lines[i])
+        if not (m and m.group(2) == "1"):
+            i += 1
+            continue
+        k = i - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        intro: list[str] = []
+        while k >= 0 and lines[k].strip() and not _ITEM.match(lines[k]):
+            intro.insert(0, lines[k].strip())
+            k -= 1
+        items: list[str] = []
+        expect, j, blank = 1, i, 0
+        while j < len(lines):
+            line = lines[j]
+            m = _ITEM.match(line)
+            if m and int(m.group(2)) == expect:
+                items.append(m.group(3).strip())
+                expect, blank = expect + 1, 0
+            elif not line.strip():
+                blank += 1
+                if blank > 1:
+                    break
+            elif items and (blank == 0 or line.startswith((" ", "\t"))):
+                items[-1] += " " + line.strip()
+                blank = 0
+            else:
+                break
+            j += 1
+        block = "\n".join([" ".join(intro)] + [f"{n}. {t}" for n, t in enumerate(items, 1)])
+        if (len(items) >= 3 and intro and sum(map(len, items)) >= 150
+                and max(map(len, items)) <= max_item and len(block) <= max_chars):
+            out.append(block)
+        i = max(j, i + 1)
+    return out
+
+
+def _manual_files() -> list[Path]:
+    files = sorted(INFO_DIR.glob("*.info*.gz")) if INFO_DIR.is_dir() else []
+    if DOC_DIR.is_dir():
+        files += sorted(
+            p for p in DOC_DIR.rglob("*")
+            if p.is_file() and not p.is_symlink() and p.suffix in _DOC_SUFFIXES
+            and not _DOC_SKIP_NAME.search(p.name)
+        )
+    return files
+
+
+def _manuals() -> list[tuple[str, str]]:
+    out = []
+    for path in _manual_files():
+        try:
+            if path.suffix == ".gz":
+                with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+                    raw = f.read()
+            else:
+                raw = path.read_text(encoding="utf-8", errors="replace")
+        except (OSError, EOFError, ValueError):  # a truncated or binary .gz
+            continue
+        if "GNU GENERAL PUBLIC LICENSE" in raw or "Permission is hereby granted" in raw:
+            continue  # license texts are training material
+        for k, proc in enumerate(procedures(raw)):
+            out.append((f"manuals:{path}:{k}", proc))
+    return out
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("pydoc", "train", "prose", "pydoc_data.topics (the Python help topics)", _pydoc),
+    Family("docstrings", "train", "prose", "standard-library docstrings, read with ast",
+           _docstrings),
+    Family("licenses", "train", "prose", str(LICENSE_DIR), _licenses),
+    Family("news", "eval", "prose", "gensim test_data/lee_background.cor + lee.cor", _news),
+    Family("wikipedia", "eval", "prose", f"gensim test_data/{_WIKI_FILE}", _wikipedia),
+    Family("gensim-code", "eval", "code", "gensim's own .py files (tests left out)",
+           _gensim_code),
+    Family("manuals", "eval", "steps",
+           f"numbered procedures of the manuals in {INFO_DIR} and {DOC_DIR}", _manuals),
+)
+
+
+def families(split: str | None = None, kind: str | None = None) -> tuple[Family, ...]:
+    """The families of one `split` ("train" / "eval") and/or `kind` ("prose" / "code" /
+    "steps"), in their fixed order."""
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split={split!r} must be one of: {', '.join(SPLITS)}")
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind={kind!r} must be one of: {', '.join(KINDS)}")
+    return tuple(
+        f for f in FAMILIES if (split is None or f.split == split) and (kind is None or f.kind == kind)
+    )
+
+
+def get_family(name: str) -> Family:
+    for f in FAMILIES:
+        if f.name == name:
+            return f
+    raise ValueError(f"unknown source family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+
+
+@functools.cache
+def read(name: str) -> tuple[tuple[str, str], ...]:
+    """Every `(document name, raw text)` of the family `name`, in a fixed order (cached)."""
+    return tuple(get_family(name).reader())

@@ -1,0 +1,114 @@
+"""The train / evaluation split of the text: no evaluation prompt reuses training text.
+
+The default training corpus (`data/build.py` with its defaults, synthetic samples included) is
+hashed once per session: every 64-character window of its normalised text (ASCII-folded,
+lower-cased, whitespace collapsed) becomes a 64-bit polynomial hash, computed with numpy and kept
+sorted. An evaluation text fails if any of its windows is in that set (windows of fewer than ten
+distinct characters, such as a rule of dashes, are not text and are ignored).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from sparsekv import sources
+from sparsekv.evaluation.codec import AsciiCodec
+from sparsekv.evaluation.tasks import TASKS, make_sample
+from sparsekv.evaluation.text import eval_texts
+
+WINDOW = 64
+_BASE = np.uint64(1_000_003)
+_INV = np.uint64(pow(1_000_003, -1, 2**64))
+_FOLD = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"',
+                       "\u2013": "-", "\u2014": "-", "\u00a0": " "})
+
+
+def _normalise(text: str) -> bytes:
+    text = text.translate(_FOLD).encode("ascii", "ignore").decode().lower()
+    return re.sub(r"\s+", " ", text).encode()
+
+
+def window_hashes(text: str) -> np.ndarray:
+    """64-bit hashes of every 64-character window of the normalised `text`, `(n - 63,)`.
+
+    With prefix sums P[i] = sum_{j<i} a[j] B^j (mod 2**64), the window at i is
+    (P[i+64] - P[i]) B^-i: B is odd, so it has an inverse modulo 2**64, and numpy's uint64
+    cumsum / cumprod wrap modulo 2**64."""
+    a = np.frombuffer(_normalise(text), dtype=np.uint8).astype(np.uint64)
+    n = len(a) - WINDOW + 1
+    if n <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        one = np.ones(1, dtype=np.uint64)
+        pw = np.concatenate([one, np.cumprod(np.full(len(a) - 1, _BASE, dtype=np.uint64))])
+        inv = np.concatenate([one, np.cumprod(np.full(n - 1, _INV, dtype=np.uint64))])
+        prefix = np.concatenate([np.zeros(1, dtype=np.uint64), np.cumsum(a * pw)])
+        return (prefix[WINDOW:] - prefix[:n]) * inv
+
+
+def shared_windows(text: str, train: np.ndarray) -> list[str]:
+    """The 64-character windows of `text` (normalised) that occur in the training set."""
+    h = window_hashes(text)
+    if not len(h):
+        return []
+    idx = np.searchsorted(train, h).clip(max=len(train) - 1)
+    hits = np.nonzero(train[idx] == h)[0]
+    norm = _normalise(text).decode()
+    spans = [norm[i : i + WINDOW] for i in hits]
+    # A rule of dashes or a run of spaces is no text: a span counts if it has >= 10 characters.
+    return [w for w in spans if len(set(w)) >= 10][:5]
+
+
+@pytest.fixture(scope="session")
+def train_windows() -> np.ndarray:
+    from data.build import BuildConfig, build
+
+    records = build(BuildConfig())
+    return np.unique(np.concatenate([window_hashes(r["text"]) for r in records]))
+
+
+def test_families_are_split_and_training_reads_only_its_own():
+    from data.build import SOURCES
+
+    names = [f.name for f in sources.FAMILIES]
+    assert len(names) == len(set(names))
+    assert {f.split for f in sources.FAMILIES} == {"train", "eval"}
+    assert set(SOURCES) == {f.name for f in sources.families(split="train")}
+    for kind in sources.KINDS:
+        assert sources.families(split="eval", kind=kind), kind
+    with pytest.raises(ValueError, match="split='test' must be one of: train, eval"):
+        sources.families(split="test")
+    with pytest.raises(ValueError, match="kind='poems' must be one of"):
+        eval_texts("poems")
+
+
+def test_hashing_finds_a_shared_span():
+    train = np.unique(window_hashes("x" * 10 + "The quick brown fox jumps over the lazy dog " * 3))
+    assert shared_windows("Intro. " + "the quick brown\nfox JUMPS over the lazy dog  " * 3, train)
+    assert not shared_windows("A completely different sentence about weather " * 3, train)
+
+
+@pytest.mark.parametrize("kind", ["prose", "code", "steps"])
+def test_eval_texts_share_no_64_char_span_with_training(kind, train_windows):
+    texts = eval_texts(kind)
+    assert len(texts) >= {"prose": 300, "code": 50, "steps": 50}[kind]
+    bad = {}
+    for name, text in texts:
+        assert text.isascii() or kind != "prose", name
+        hits = shared_windows(text, train_windows)
+        if hits:
+            bad[name] = hits
+    assert not bad, f"{len(bad)} evaluation texts quote the training corpus: {list(bad.items())[:3]}"
+
+
+@pytest.mark.parametrize("seed", [1, 7])
+def test_task_contexts_share_no_64_char_span_with_training(seed, train_windows):
+    codec = AsciiCodec()
+    for task in TASKS:
+        for index in range(3):
+            s = make_sample(task, codec, 4096, index, seed=seed)
+            hits = shared_windows(s.context, train_windows)
+            assert not hits, (task, index, hits)
