@@ -145,6 +145,11 @@ _WIKI_DROP_SECTIONS = re.compile(
 )
 
 
+_WIKI_FILE_LINK = re.compile(
+    r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]"
+)
+
+
 def _strip_nested(text: str, open_: str, close: str) -> str:
     """Remove every (possibly nested) `open_ ... close` span."""
     out, depth, i = [], 0, 0
@@ -174,8 +179,7 @@ def wiki_to_text(markup: str) -> str:
                flags=re.DOTALL)
     t = re.sub(r"<[^>]+>", "", t)
     # Files and categories can nest links in their captions: drop them whole.
-    t = re.sub(r"\[\[(?:File|Image|Category|[a-z]{2,3}(?:-[a-z]+)?):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]",
-               "", t)
+    t = re.sub(_WIKI_FILE_LINK, "", t)
     t = re.sub(r"\[\[([^\]|]*)\|([^\]]*)\]\]", r"\2", t)
     t = re.sub(r"\[\[([^\]]*)\]\]", r"\1", t)
     t = re.sub(r"\[https?://[^\s\]]+ ?([^\]]*)\]", r"\1", t)
@@ -233,7 +237,8 @@ def _gensim_code() -> list[tuple[str, str]]:
     out = []
     for p in sorted(root.rglob("*.py")):
         rel = p.relative_to(root)
-        if "test" in rel.parts or p.name == "__init__.py" or rel.as_posix() in _GENSIM_QUOTES_TRAINING:
+        skip = rel.as_posix() in _GENSIM_QUOTES_TRAINING or p.name == "__init__.py"
+        if skip or "test" in rel.parts:
             continue
         text = p.read_text(encoding="utf-8", errors="replace")
         if len(text) >= 1000:
@@ -341,7 +346,9 @@ def families(split: str | None = None, kind: str | None = None) -> tuple[Family,
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind={kind!r} must be one of: {', '.join(KINDS)}")
     return tuple(
-        f for f in FAMILIES if (split is None or f.split == split) and (kind is None or f.kind == kind)
+        f
+        for f in FAMILIES
+        if (split is None or f.split == split) and (kind is None or f.kind == kind)
     )
 
 
@@ -349,7 +356,8 @@ def get_family(name: str) -> Family:
     for f in FAMILIES:
         if f.name == name:
             return f
-    raise ValueError(f"unknown source family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+    known = ", ".join(f.name for f in FAMILIES)
+    raise ValueError(f"unknown source family {name!r}; known: {known}")
 
 
 @functools.cache

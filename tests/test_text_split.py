@@ -101,7 +101,7 @@ def test_eval_texts_share_no_64_char_span_with_training(kind, train_windows):
         hits = shared_windows(text, train_windows)
         if hits:
             bad[name] = hits
-    assert not bad, f"{len(bad)} evaluation texts quote the training corpus: {list(bad.items())[:3]}"
+    assert not bad, f"{len(bad)} evaluation texts quote training text: {list(bad.items())[:3]}"
 
 
 @pytest.mark.parametrize("seed", [1, 7])
