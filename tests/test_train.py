@@ -532,3 +532,100 @@ def test_training_needles_never_use_the_evaluation_wording():
     assert {r["source"] for r in synth} == {f"synthetic:{k}" for k in ("passkey", "kv", "vars")}
     for phrase in ("pass key", "Remember it.", "special magic number", "VAR "):
         assert not any(phrase in r["text"] for r in synth), phrase
+
+
+# ---------------------------------------------------------------------- teacher cache, signals
+
+
+def test_teacher_cache_serves_later_epochs_and_follows_the_target_config(tmp_path, corpus):
+    """4 samples, 2 per step: epoch 1 (steps 1-2) computes and writes, epoch 2 (steps 3-4) reads;
+    the losses equal those of a run without the cache; another target reads another folder."""
+    cache = tmp_path / "cache"
+    base = [
+        f"dataset={corpus}",
+        "progress_bar=false",
+        "log_with=none",
+        "save_every=0",
+        "max_samples=4",
+        "batch_size=2",
+        "max_steps=4",
+        "target.signal=reconstruction",
+    ]
+    run_inprocess([*base, f"output_dir={tmp_path / 'a'}", f"teacher_cache={cache}"])
+    rows = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["teacher_cached"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+    folders = list(cache.iterdir())
+    assert len(folders) == 1 and len(list(folders[0].glob("*.safetensors"))) == 4
+    assert not list(folders[0].glob(".tmp-*"))
+    run_inprocess([*base, f"output_dir={tmp_path / 'b'}"])
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    run_inprocess(
+        [*base, f"output_dir={tmp_path / 'c'}", f"teacher_cache={cache}", "target.stat=max"]
+    )
+    rows = [json.loads(r) for r in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["teacher_cached"] == 0.0 and len(list(cache.iterdir())) == 2
+
+
+def test_cached_rows_are_the_computed_tensors(tmp_path, corpus):
+    from sparsekv.teacher import TargetConfig
+    from train.targets import TargetCache, TeacherTargets, model_identity
+
+    model, tok, base_id = load_model("tiny:gemma3", seed=0)
+    ids, mask = tokenize_blocks(tok, load_texts(str(corpus), limit=20), 48, "pad")
+    ids, mask = ids[:3], mask[:3]
+    target = TargetConfig(signal="both", stat="max")
+    prompt = [5, 6, 7]
+
+    def make(seed_model=model):
+        cache = TargetCache(
+            tmp_path,
+            target=target.to_dict(),
+            layers=[3],
+            repeat_prompt_ids=prompt,
+            model=model_identity(seed_model, base_id),
+        )
+        return TeacherTargets(target, [3], 16, prompt, cache)
+
+    first = make()
+    t1, h1 = first(model, ids[:2], mask[:2])  # rows 0, 1 computed
+    t2, h2 = first(model, ids, mask)  # rows 0, 1 read, row 2 computed
+    assert (first.cache.misses, first.cache.hits) == (3, 2)
+    torch.testing.assert_close(t2[3][:2], t1[3], rtol=0, atol=0)
+    torch.testing.assert_close(h2[3][:2], h1[3], rtol=0, atol=0)
+    fresh_t, fresh_h = first.compute(model, ids, mask)
+    torch.testing.assert_close(t2[3], fresh_t[3], rtol=0, atol=0)
+    torch.testing.assert_close(h2[3], fresh_h[3], rtol=0, atol=0)
+    other, _, _ = load_model("tiny:gemma3", seed=1)  # same id, other weights: another key
+    assert make(other).cache.folder != first.cache.folder
+
+
+def test_kvzap_objective_trains_the_kvzap_head_with_mse(corpus):
+    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.losses import LossConfig
+    from sparsekv.teacher import TargetConfig
+    from train.loop import LayerwiseHead, Objective
+
+    model, tok, _ = load_model("tiny:llama", seed=0)
+    adapter = ScorerAdapter.for_model(model, kind="kvzap", hidden=32)
+    ids, mask = tokenize_blocks(tok, load_texts(str(corpus), limit=20), seq_len=64)
+    target = TargetConfig(signal="reconstruction", kind="kvzip_plus")
+    objective = Objective(target, LossConfig(kind="mse"), adapter.config.layers, 16, [5, 6, 7])
+    head = LayerwiseHead(adapter.head, adapter.config.layers)
+    loss, metrics = objective(model, head, ids[:2], mask[:2])
+    loss.backward()
+    assert all(p.grad is not None for p in adapter.head.parameters())
+    assert {"loss", "mse", "recall"} <= set(metrics) and "kl" not in metrics
+    assert loss.item() > 0
+
+
+def test_max_samples_draws_a_seeded_subset():
+    from train.data import select_samples
+
+    ids = torch.arange(40).view(10, 4)
+    mask = torch.ones_like(ids)
+    a, _ = select_samples(ids, mask, 4, seed=0)
+    b, _ = select_samples(ids, mask, 4, seed=0)
+    c, _ = select_samples(ids, mask, 4, seed=1)
+    assert torch.equal(a, b) and not torch.equal(a, c) and a.shape == (4, 4)
+    assert (a[1:, 0] > a[:-1, 0]).all()  # original order kept
+    assert select_samples(ids, mask, None)[0] is ids

@@ -23,7 +23,7 @@ import yaml
 
 LOG_WITH = ("auto", "tensorboard", "none")
 PACKING = ("pack", "pad")
-HEAD_KINDS = ("mlp", "linear")
+HEAD_KINDS = ("mlp", "linear", "kvzap")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN = ("sdpa", "eager")
 TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
@@ -60,9 +60,10 @@ class TrainConfig:
     layers: list[int] | None = None
     """Layers that get a gating head; default: the full-attention layers (all if none slide)."""
     head: str = "mlp"
-    """Per-layer head: "mlp" (2-layer MLP) or "linear"."""
+    """Per-layer head: "mlp" (2-layer MLP), "linear" (both after a weightless RMSNorm) or "kvzap"
+    (KVzap's Linear-GELU-Linear, no norm; see sparsekv.scorer)."""
     head_hidden: int = 64
-    """Hidden width of the MLP head."""
+    """Hidden width of the MLP head ("mlp" and "kvzap")."""
     target: dict = field(default_factory=dict)
     """Teacher target definition: fields of sparsekv.teacher.TargetConfig (empty = defaults)."""
     loss: dict = field(default_factory=dict)
@@ -74,6 +75,10 @@ class TrainConfig:
     first); see sparsekv.adapter.AdapterConfig. They do not change training."""
     teacher_block_size: int = 512
     """Queries per block when the teacher statistics are computed (memory O(block x seq))."""
+    teacher_cache: str | None = None
+    """Folder that keeps each example's teacher targets and head inputs after its first visit
+    (safetensors, keyed by the example and the target config; see train/targets.py), so later
+    epochs skip the teacher forward. None = compute them at every step."""
     # ------------------------------------------------------------------ data
     dataset: str = DEFAULT_DATASET
     """Local .jsonl/.json/.parquet file or folder, a saved `datasets` folder, or a `datasets`
@@ -88,6 +93,9 @@ class TrainConfig:
     """Options of data/build.py's BuildConfig used when `dataset` is a missing .jsonl."""
     max_documents: int | None = None
     """Read at most this many documents (None = all)."""
+    max_samples: int | None = None
+    """Train on at most this many token blocks, drawn from all of them with the seed (None =
+    all); an epoch is then max_samples samples (a small set visited for many epochs)."""
     seq_len: int = 512
     """Tokens per training sequence."""
     packing: str = "pack"
@@ -154,7 +162,7 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 1)
         for name in ("seed", "warmup_steps", "save_every"):
             _at_least(name, getattr(self, name), 0)
-        for name in ("keep_last", "schedule_steps", "max_documents", "num_threads"):
+        for name in ("keep_last", "schedule_steps", "max_documents", "max_samples", "num_threads"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
         if self.lr <= 0:

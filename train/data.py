@@ -2,7 +2,8 @@
 
 This module owns reading the texts (`load_texts`: local JSONL/JSON/parquet, a saved `datasets`
 folder or a `datasets` Hub name; a missing local .jsonl is built by data/build.py), turning them
-into `(num_samples, seq_len)` token blocks (`tokenize_blocks`) and serving them in a
+into `(num_samples, seq_len)` token blocks (`tokenize_blocks`), optionally a seeded subset of
+them (`select_samples`), and serving them in a
 deterministic order (`BlockDataset`). The order depends only on the seed: epoch e visits the
 blocks in `randperm(num_samples, seed + e)`, so the *position* (samples consumed so far,
 summed over processes) is all a checkpoint needs to resume the stream exactly. It knows nothing
@@ -126,6 +127,20 @@ def tokenize_blocks(
             f"the dataset yields no sequence of seq_len={seq_len} tokens; use more text or a smaller seq_len"
         )
     return torch.tensor(rows, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+
+def select_samples(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int | None, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """At most `n` of the `(num_samples, seq_len)` blocks, drawn without replacement with `seed`
+    and kept in their original order (all of them when `n` is None or not smaller)."""
+    if n is None or n >= input_ids.shape[0]:
+        return input_ids, attention_mask
+    if n < 1:
+        raise ValueError(f"max_samples={n!r} must be an int >= 1")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(input_ids.shape[0], generator=g)[:n].sort().values
+    return input_ids[idx], attention_mask[idx]
 
 
 @dataclass

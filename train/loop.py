@@ -29,7 +29,7 @@ from torch import nn
 
 from train import checkpoint as ckpt
 from train.config import TrainConfig, dump_yaml, field_docs, load_config
-from train.data import BlockDataset, load_texts, tokenize_blocks
+from train.data import BlockDataset, load_texts, select_samples, tokenize_blocks
 from train.models import load_model
 
 _T0 = time.perf_counter()  # process start, for the wall time printed at the end
@@ -99,12 +99,23 @@ class LayerwiseHead(nn.Module):
 
 @dataclass
 class Objective:
-    """Teacher targets from the frozen model, head predictions, ranking loss averaged over layers."""
+    """Teacher targets from the frozen model (cached per example when `cache` is set), head
+    predictions, the configured loss averaged over layers."""
 
     target: Any  # sparsekv.teacher.TargetConfig
     loss: Any  # sparsekv.losses.LossConfig
     layers: list[int]
     block_size: int = 512
+    repeat_prompt_ids: list[int] | None = None
+    """Tokens of sparsekv.reconstruction.REPEAT_PROMPT (reconstruction signals only)."""
+    cache: Any = None  # train.targets.TargetCache | None
+
+    def __post_init__(self) -> None:
+        from train.targets import TeacherTargets
+
+        self.teacher = TeacherTargets(
+            self.target, self.layers, self.block_size, self.repeat_prompt_ids, self.cache
+        )
 
     def __call__(
         self,
@@ -117,22 +128,22 @@ class Objective:
 
         `head` is a `LayerwiseHead` over `self.layers` (possibly wrapped by accelerate).
         """
-        from sparsekv.losses import ranking_loss
-        from sparsekv.teacher import teacher_targets
+        from sparsekv.losses import compute_loss
 
+        hits = self.cache.hits if self.cache is not None else 0
         with torch.no_grad():
-            targets, hidden = teacher_targets(
-                model, input_ids, attention_mask, self.target, self.layers, self.block_size
-            )
+            targets, hidden = self.teacher(model, input_ids, attention_mask)
         preds = head(*(hidden[i] for i in self.layers))  # the head computes in float32
         valid = attention_mask.bool()
         total, metrics = 0.0, {}
         for layer, pred in zip(self.layers, preds):
-            loss, m = ranking_loss(pred, targets[layer], valid, self.loss)
+            loss, m = compute_loss(pred, targets[layer], valid, self.loss, self.target.log_scale)
             total = total + loss
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v / len(self.layers)
             metrics[f"recall/layer{layer}"] = m["recall"]
+        if self.cache is not None:  # share of this micro-batch's rows read from the cache
+            metrics["teacher_cached"] = (self.cache.hits - hits) / input_ids.shape[0]
         return total / len(self.layers), metrics
 
 
@@ -258,6 +269,7 @@ def build_data(cfg: TrainConfig, tokenizer, acc) -> BlockDataset:
             build=build if acc.is_main_process else None,
         )
     ids, mask = tokenize_blocks(tokenizer, texts, cfg.seq_len, cfg.packing)
+    ids, mask = select_samples(ids, mask, cfg.max_samples, cfg.seed)
     return BlockDataset(ids, mask, cfg.seed)
 
 
@@ -275,6 +287,30 @@ def build_adapter(cfg: TrainConfig, model: nn.Module, base_id: str):
     )
 
 
+def build_objective(
+    cfg: TrainConfig, model: nn.Module, tokenizer, base_id: str, layers
+) -> Objective:
+    """The run's `Objective`: the repeat prompt tokenized for reconstruction signals, and the
+    on-disk teacher cache when `teacher_cache` is set."""
+    from sparsekv.reconstruction import REPEAT_PROMPT
+    from train.targets import TargetCache, model_identity
+
+    target = cfg.target_config()
+    prompt = None
+    if target.signal != "questions":
+        prompt = list(tokenizer([REPEAT_PROMPT], add_special_tokens=False)["input_ids"][0])
+    cache = None
+    if cfg.teacher_cache is not None:
+        cache = TargetCache(
+            cfg.teacher_cache,
+            target=target.to_dict(),
+            layers=layers,
+            repeat_prompt_ids=prompt,
+            model=model_identity(model, base_id),
+        )
+    return Objective(target, cfg.loss_config(), list(layers), cfg.teacher_block_size, prompt, cache)
+
+
 # Keys that may change between a run and its resumption without changing what it computes.
 RESUME_FREE_KEYS = {
     "max_steps",
@@ -290,6 +326,7 @@ RESUME_FREE_KEYS = {
     "output_dir",
     "run_name",
     "num_threads",
+    "teacher_cache",
 }
 
 
@@ -377,12 +414,8 @@ class Trainer:
         self.data = build_data(cfg, tok, self.acc)
         self.adapter = build_adapter(cfg, self.model, self.base_id)
         self.adapter.head.to(self.acc.device).train()
-        self.objective = Objective(
-            cfg.target_config(),
-            cfg.loss_config(),
-            list(self.adapter.config.layers),
-            cfg.teacher_block_size,
-        )
+        layers = self.adapter.config.layers
+        self.objective = build_objective(cfg, self.model, tok, self.base_id, layers)
         opt = torch.optim.AdamW(
             self.adapter.head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )

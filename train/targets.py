@@ -1,0 +1,185 @@
+"""Teacher targets for training, computed once per example and cached on disk.
+
+This module owns the on-disk cache of teacher results (`TargetCache`) and `TeacherTargets`, the
+callable the training objective asks for `(targets, hidden)` of a micro-batch. The teacher forward
+(and for reconstruction signals the repeat pass, about twice the tokens) is the expensive part of
+a step; the head is tiny. With a cache folder, each example's targets and head inputs are written
+after its first visit and read on every later epoch, so many epochs (KVzap trains ~15) cost about
+one teacher pass per example.
+
+One file per example: `<folder>/<fingerprint[:16]>/<example[:32]>.safetensors` holding
+`target.<layer>` `(kv_heads, seq)` float32 and `hidden.<layer>` `(seq, hidden)` (the model's dtype)
+for every budgeted layer, written atomically (temp file + rename). `example` is the sha256 of the
+row's token ids and attention mask; `fingerprint` the sha256 of everything else the result
+depends on: the target definition (`TargetConfig.to_dict()`), the budgeted layers, the repeat
+prompt's ids, the model's identity (base id, shape, dtype and a digest of its first parameter
+tensor) and this module's `FORMAT`. Changing any of them reads from another folder: nothing
+stale is ever served. The teacher block size is left out (it changes nothing but rounding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+FORMAT = 1
+
+
+def _sha(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.hexdigest()
+
+
+def model_identity(model: nn.Module, base_id: str) -> dict[str, Any]:
+    """What identifies the frozen model for the cache: its id, shape, dtype and a digest of its
+    first parameter tensor (tiny random models share an id but not their weights)."""
+    from sparsekv.families import model_shape
+
+    first = next(model.parameters()).detach().float().cpu().contiguous()
+    return {
+        "base_id": base_id,
+        "shape": model_shape(model).to_dict(),
+        "dtype": str(next(model.parameters()).dtype),
+        "weights": _sha(first.numpy().tobytes()),
+    }
+
+
+class TargetCache:
+    """Per-example teacher results under `folder`, keyed as the module docstring says.
+
+    `hits` and `misses` count rows served from disk and rows computed since creation.
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        target: dict[str, Any],
+        layers: Sequence[int],
+        repeat_prompt_ids: Sequence[int] | None,
+        model: dict[str, Any],
+    ):
+        self.layers = [int(i) for i in layers]
+        spec = {
+            "format": FORMAT,
+            "target": target,
+            "layers": self.layers,
+            "repeat_prompt_ids": None if repeat_prompt_ids is None else list(repeat_prompt_ids),
+            "model": model,
+        }
+        self.fingerprint = _sha(json.dumps(spec, sort_keys=True).encode())
+        self.folder = Path(folder) / self.fingerprint[:16]
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def example_key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
+        """sha256 of one row's `(seq,)` token ids and mask."""
+        ids = input_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+        mask = attention_mask.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+        return _sha(ids, mask)
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key[:32]}.safetensors"
+
+    def load(self, key: str) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None:
+        """`(targets, hidden)` of one row (layer -> `(kv_heads, seq)`, `(seq, hidden)`), or None."""
+        from safetensors.torch import load_file
+
+        p = self.path(key)
+        if not p.is_file():
+            return None
+        t = load_file(str(p))
+        return (
+            {i: t[f"target.{i}"] for i in self.layers},
+            {i: t[f"hidden.{i}"] for i in self.layers},
+        )
+
+    def save(
+        self, key: str, targets: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor]
+    ) -> None:
+        """Write one row's results atomically (another process may write the same row: the last
+        rename wins, with identical content)."""
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tensors = {f"target.{i}": targets[i].detach().cpu().contiguous() for i in self.layers}
+        tensors.update({f"hidden.{i}": hidden[i].detach().cpu().contiguous() for i in self.layers})
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=self.folder)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={"fingerprint": self.fingerprint, "example": key})
+            os.replace(tmp, self.path(key))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+class TeacherTargets:
+    """`(model, input_ids, attention_mask) -> (targets, hidden)` for the budgeted `layers`,
+    through `cache` when one is given.
+
+    Shapes as `sparsekv.teacher_reconstruction.training_targets`: layer -> `(batch, kv_heads,
+    seq)` and layer -> `(batch, seq, hidden)`. Rows found in the cache are read; the others are
+    computed together in one call and written.
+    """
+
+    def __init__(
+        self,
+        target,
+        layers: Sequence[int],
+        block_size: int = 512,
+        repeat_prompt_ids: Sequence[int] | None = None,
+        cache: TargetCache | None = None,
+    ):
+        self.target = target
+        self.layers = list(layers)
+        self.block_size = block_size
+        self.repeat_prompt_ids = None if repeat_prompt_ids is None else list(repeat_prompt_ids)
+        self.cache = cache
+
+    def compute(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        from sparsekv.teacher_reconstruction import training_targets
+
+        return training_targets(
+            model,
+            input_ids,
+            attention_mask,
+            self.target,
+            self.layers,
+            self.block_size,
+            repeat_prompt_ids=self.repeat_prompt_ids,
+        )
+
+    def __call__(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        if self.cache is None:
+            return self.compute(model, input_ids, attention_mask)
+        cache, device = self.cache, input_ids.device
+        keys = [cache.example_key(i, m) for i, m in zip(input_ids, attention_mask)]
+        rows: list[tuple[dict, dict] | None] = [cache.load(k) for k in keys]
+        todo = [r for r, got in enumerate(rows) if got is None]
+        cache.hits += len(keys) - len(todo)
+        cache.misses += len(todo)
+        if todo:
+            t, h = self.compute(model, input_ids[todo], attention_mask[todo])
+            for j, r in enumerate(todo):
+                rows[r] = ({i: t[i][j] for i in self.layers}, {i: h[i][j] for i in self.layers})
+                cache.save(keys[r], *rows[r])
+        targets = {i: torch.stack([row[0][i].to(device) for row in rows]) for i in self.layers}
+        hidden = {i: torch.stack([row[1][i].to(device) for row in rows]) for i in self.layers}
+        return targets, hidden
