@@ -22,6 +22,10 @@ per-head mask; then `observe` asks the policy for scores and evicts:
 Sinks (first real tokens) and the recent window are always kept; padding never displaces a
 real token. Eviction gathers the kept rows into new tensors: memory is freed, not masked.
 
+A policy with `scores_after_prefill` (KVzip) is not scored during a multi-token forward: its new
+entries wait (`pending`) until the forward returns, when a forward hook runs
+`sparsekv.repeat_pass` over the forward's input ids, then scores and evicts them.
+
 With `prefill_chunk=N` a forward pre-hook on the model splits long prompts into N-token
 forwards, evicting after each, so peak KV memory is bounded by budget + chunk. The returned
 logits then cover the last chunk only.
@@ -46,6 +50,7 @@ from sparsekv.config import EvictionConfig
 from sparsekv.families import attention_modules, model_shape, text_config
 from sparsekv.policies import Policy, ScoreContext
 from sparsekv.policies import get as get_policy
+from sparsekv.repeat_pass import score_pending
 from sparsekv.schedules import layer_capacity, layer_fractions
 
 _RECORDABLE = ("all", "window", "last")
@@ -79,6 +84,8 @@ class _Shared:
         # attention inputs of the first budgeted layer for the tokens of the current step, for
         # policies that score every budgeted layer from them (`Policy.hidden_from_first`)
         self.first_hidden: torch.Tensor | None = None
+        self.model: Any = None  # weak reference to the model, handed to policies in ScoreContext
+        self.repeat: Any = None  # the active `repeat_pass` collector while a repeat forward runs
 
 
 class EvictingLayer(DynamicLayer):
@@ -107,6 +114,7 @@ class EvictingLayer(DynamicLayer):
         self.value_scale: torch.Tensor | None = None
         self._live: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's full-precision K, V
         self.recorded: dict[str, torch.Tensor] = {}  # see SparseKVCache(record=...)
+        self.pending = 0  # newest entries awaiting scores from a repeat pass (scores_after_prefill)
 
     # ---- transformers' layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -274,6 +282,7 @@ class EvictingLayer(DynamicLayer):
             hidden_states=self.shared.first_hidden if self.shared.policy.hidden_from_first else self.hidden,
             budget_rank=self.budget_rank,
             num_budgeted=self.shared.num_budgeted,
+            model=self.shared.model() if self.shared.model is not None else None,
         )
 
     def _received_from(self, which: str | None, window: int, query, kv_mask, scaling, softcap):
@@ -303,6 +312,14 @@ class EvictingLayer(DynamicLayer):
     def observe(self, module, query, kv_mask, scaling, softcap) -> None:
         """After attention: score the new entries, then evict as the step's phase requires."""
         phase = "prefill" if self.num_new > 1 else "decode"
+        repeat = self.shared.repeat
+        if repeat is not None or (phase == "prefill" and self.shared.policy.scores_after_prefill):
+            if repeat is not None:  # a repeat forward: hand its queries over; restored afterwards
+                repeat.collect(self, query, scaling, softcap)
+            else:  # scored (and evicted) by the repeat pass once this forward returns
+                self.pending += self.num_new
+            self.num_new, self.hidden, self._live = 0, None, None
+            return
         if self.shared.record:
             self._record(query, kv_mask, scaling, softcap)
         att = self._attention_stats(query, kv_mask, scaling, softcap)
@@ -334,9 +351,18 @@ class EvictingLayer(DynamicLayer):
             self.keys, self.values = keys, values
         self._live, self.num_new = (keys, values), keys.shape[-2]
         self.hidden = src.recorded.get("hidden")
+        if policy.scores_after_prefill:  # scored by the repeat pass `fork` runs next
+            self.pending, self.num_new, self.hidden, self._live = self.num_new, 0, None, None
+            return
         which = policy.attention_queries or ("all" if policy.tracks_observed else None)
         att = None if which is None else src.recorded[which]
         self._score_and_evict("prefill", None, att)
+
+    def finish_repeat(self, attention: torch.Tensor) -> None:
+        """Score the pending entries with the repeat pass's `attention` `(batch, kv_heads, stored)`
+        (what the repeat paid to each entry; 0 for older ones), then evict as after a prefill."""
+        self.num_new, self.pending = self.pending, 0
+        self._score_and_evict("prefill", None, attention)
 
     def _score_and_evict(self, phase: str, query, att) -> None:
         policy, cfg = self.shared.policy, self.shared.config
@@ -453,6 +479,12 @@ class SparseKVCache(Cache):
         fractions = layer_fractions(config, len(budgeted), schedule)
         self.shared = _Shared(config, self.policy, len(budgeted))
         self.shared.record, self.shared.record_window = tuple(record), record_window
+        self.shared.model = weakref.ref(model)
+        if self.policy.scores_after_prefill and config.prefill_chunk:
+            raise ValueError(
+                f"policy {self.policy.name!r} scores by repeating the whole prefilled context, which "
+                f"prefill_chunk={config.prefill_chunk} evicts chunk by chunk; use prefill_chunk=None"
+            )
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config(model))
         layers: list[Any] = []
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
@@ -466,6 +498,8 @@ class SparseKVCache(Cache):
         self.shared.measure = weakref.WeakMethod(self.kv_bytes)
         self._hooks: list[Any] = []
         self._in_chunked_prefill = False
+        self.step_inputs: tuple[Any, Any] | None = None  # (input_ids, attention_mask) of the last forward
+        self.in_repeat = False  # a repeat pass is running its forwards through this cache
         self._use_sparse_attention(model)
         self._install_hooks(model)
         self._finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
@@ -557,6 +591,13 @@ class SparseKVCache(Cache):
             else:
                 new.layers[i] = copy.copy(layer)  # transformers' layers replace tensors, never mutate them
         new.shared.first_hidden = None
+        if policy.scores_after_prefill:
+            ids = None if self.step_inputs is None else self.step_inputs[0]
+            if ids is None or ids.shape[1] != self.tokens_seen():
+                raise ValueError(f"fork() with policy {policy.name!r} needs the input_ids of a prefill "
+                                 "done in one forward of this cache")
+            new.step_inputs = self.step_inputs
+            score_pending(new)
         return new
 
     def _install_hooks(self, model) -> None:
@@ -571,6 +612,10 @@ class SparseKVCache(Cache):
                 )
         if self.config.prefill_chunk:
             self._hooks.append(model.register_forward_pre_hook(_chunk_prefill(ref), with_kwargs=True))
+        if self.policy.scores_after_prefill or self.shared.record:  # the repeat pass reads the ids
+            self._hooks.append(model.register_forward_pre_hook(_note_inputs(ref), with_kwargs=True))
+        if self.policy.scores_after_prefill:
+            self._hooks.append(model.register_forward_hook(_after_forward(ref), with_kwargs=True))
 
 
 def _remove_hooks(hooks: list) -> None:
@@ -586,6 +631,31 @@ def _capture_hidden(ref, layer: EvictingLayer, first: bool):
             layer.hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             if first:  # layers run in order: deeper budgeted layers of this step may read it
                 cache.shared.first_hidden = layer.hidden
+
+    return hook
+
+
+def _note_inputs(ref):
+    """Forward pre-hook on the model: keep the forward's `input_ids` `(batch, new)` and 2-D
+    `attention_mask` `(batch, seen)` for a repeat pass (not those of the repeat's own forwards)."""
+
+    def hook(module, args, kwargs):
+        cache = ref()
+        if cache is not None and kwargs.get("cache") is cache and not cache.in_repeat:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            cache.step_inputs = (ids, kwargs.get("attention_mask"))
+
+    return hook
+
+
+def _after_forward(ref):
+    """Forward hook on the model: once a forward through the cache returns, score the entries it
+    left pending by a repeat pass (then they are evicted)."""
+
+    def hook(module, args, kwargs, output):
+        cache = ref()
+        if cache is not None and kwargs.get("cache") is cache and not cache.in_repeat:
+            score_pending(cache)
 
     return hook
 

@@ -7,6 +7,7 @@ Qwen3 and Gemma 3 (text). Nothing here touches caches or scores.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,3 +113,36 @@ def eager_attention_function(module: nn.Module) -> Callable:
 def softcap(module: nn.Module) -> float | None:
     """Attention logit soft-capping value of the module's config, if any (Gemma 2/3 style)."""
     return getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+
+
+def pre_rope_queries(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The queries of attention `module` before RoPE, after its QK-norm if it has one (Qwen3,
+    Gemma 3): `hidden_states` `(batch, seq, hidden)` -> `(batch, heads, seq, head_dim)`."""
+    b, n, _ = hidden_states.shape
+    q = module.q_proj(hidden_states).view(b, n, -1, module.head_dim).transpose(1, 2)
+    norm = getattr(module, "q_norm", None)
+    return norm(q) if norm is not None else q
+
+
+def rotary_cos_sin(model: nn.Module, layer_idx: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE `cos`, `sin` `(n, head_dim)` of layer `layer_idx` at absolute `positions` `(n,)`, with
+    the layer type's own rotary base and scaling (Gemma 3: full and sliding layers differ)."""
+    inner = getattr(model, "model", model)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None and hasattr(inner, "language_model"):
+        rotary = inner.language_model.rotary_emb
+    if rotary is None:
+        raise ValueError(f"cannot find the rotary embedding of {type(model).__name__}")
+    x = next(model.parameters())
+    pos = positions.to(x.device)[None]
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        cos, sin = rotary(x, pos, model_shape(model).layer_types[layer_idx])
+    else:
+        cos, sin = rotary(x, pos)
+    return cos[0], sin[0]
+
+
+def attention_scaling(module: nn.Module) -> float:
+    """The factor attention `module` multiplies its logits by (Gemma 3:
+    `query_pre_attn_scalar ** -0.5`; otherwise `head_dim ** -0.5`)."""
+    return float(getattr(module, "scaling", None) or module.head_dim**-0.5)
