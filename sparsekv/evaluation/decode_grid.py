@@ -1,0 +1,230 @@
+"""A grid of decode-heavy runs (issue 18): every decode sample of an `EvalConfig` under the
+full cache (the reference) and every policy x budget, one row per run appended to
+`<out>/results.jsonl` as it finishes, so a stopped grid resumes where it stopped.
+
+    python -m sparsekv.evaluation.decode_grid --config configs/eval/decode-rerank.yaml
+    python -m sparsekv.evaluation.decode_grid --config ... --samples 2 --threads 1   # grows it
+
+Rows already in `results.jsonl` (same sample, label and budget) are kept and not rerun; the
+reference of a sample is recomputed whenever one of its methods still has to run (its hidden
+states are needed for the KL). The folder's `config.yaml` holds the resolved grid of the last
+run (with its environment); a grid whose model, dtype, seed, eviction or task options differ
+from the folder's is refused. At the end `decode_report.write_decode_report` writes the tables
+and plots. The runs themselves are `sparsekv.evaluation.decode.run_decode`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from sparsekv.evaluation import decode_tasks  # noqa: F401  (registers the decode tasks)
+from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec
+from sparsekv.evaluation.decode import run_decode
+from sparsekv.evaluation.tasks import Sample, get_task, make_sample
+
+_SETUP = ("model", "dtype", "attn_implementation", "seed", "eviction", "task_options")
+
+
+def decode_samples(cfg: EvalConfig, codec) -> list[Sample]:
+    """The grid's decode samples, in order index -> task -> length."""
+    out = []
+    for i in range(cfg.samples):
+        for task in cfg.tasks:
+            if get_task(task).kind != decode_tasks.DECODE_KIND:
+                raise ValueError(f"task {task!r} is not a decode task; decode tasks: "
+                                 f"{', '.join(t for t, s in _decode_specs())}")
+            opts = dict(cfg.task_options.get(task, {}))
+            max_new = opts.pop("max_new_tokens", None)
+            for length in cfg.lengths:
+                s = make_sample(task, codec, length, i, seed=cfg.seed, **opts)
+                if max_new is not None:
+                    s.max_new_tokens = int(max_new)
+                out.append(s)
+    return out
+
+
+def _decode_specs():
+    from sparsekv.evaluation.tasks import TASKS
+
+    return [(t, s) for t, s in TASKS.items() if s.kind == decode_tasks.DECODE_KIND]
+
+
+class MethodBuilder:
+    """Builds the cache of one (policy spec, budget) of a grid; adapters are loaded once."""
+
+    def __init__(self, model, cfg: EvalConfig):
+        self.model, self.cfg = model, cfg
+        self._adapters: dict[str, Any] = {}
+
+    def policy(self, spec: PolicySpec):
+        from sparsekv import policies
+
+        if spec.name.startswith("learned:"):
+            path = spec.name.split(":", 1)[1]
+            if path not in self._adapters:
+                from sparsekv.adapter import ScorerAdapter
+
+                self._adapters[path] = ScorerAdapter.from_pretrained(path)
+            return policies.get("learned", adapter=self._adapters[path], **spec.policy_kwargs)
+        return policies.get(spec.name, **spec.policy_kwargs)
+
+    def cache(self, spec: PolicySpec | None, budget):
+        from sparsekv import EvictionConfig, SparseKVCache
+
+        if spec is None:
+            return SparseKVCache(self.model, EvictionConfig(budget=1.0), "full")
+        config = EvictionConfig(budget=budget, **{**self.cfg.eviction, **spec.eviction})
+        return SparseKVCache(self.model, config, self.policy(spec))
+
+
+def _row(sample: Sample, label: str, spec_text: str, budget, policy=None) -> dict[str, Any]:
+    row = {"source": "sparsekv", "sample_id": sample.sample_id, "task": sample.task,
+           "length": sample.metadata["target_length"], "n_tokens": sample.metadata["n_tokens"],
+           "protocol": "agnostic", "policy": label, "policy_spec": spec_text, "budget": budget,
+           "answer": sample.answer, "error": None}
+    if policy is not None and hasattr(policy, "blend"):
+        row["policy_settings"] = {"blend": policy.blend, "blend_mode": policy.blend_mode,
+                                  "kernel_size": policy.kernel_size, "head_layer": policy.head_layer}
+    return row
+
+
+def run_sample(model, codec, cfg: EvalConfig, sample: Sample, builder: MethodBuilder,
+               skip: set[tuple[str, str]] = frozenset()) -> Iterator[dict[str, Any]]:
+    """Rows of one sample: the reference (unless its key is in `skip`), then every policy x
+    budget whose `(label, str(budget))` is not in `skip`. A crashing method yields a row with
+    `error` set."""
+    eos = codec.eos_ids
+    ref_row, ref = run_decode(model, sample, builder.cache(None, None), None, eos)
+    if (REFERENCE, "1.0") not in skip:
+        yield {**_row(sample, REFERENCE, REFERENCE, 1.0), **ref_row}
+    for spec in cfg.policy_specs:
+        for budget in cfg.budgets_of(spec, "agnostic"):
+            if (spec.label, str(budget)) in skip:
+                continue
+            try:
+                cache = builder.cache(spec, budget)
+                row = _row(sample, spec.label, spec.spec, budget, cache.policy)
+                metrics, _ = run_decode(model, sample, cache, ref, eos)
+                row.update(metrics)
+            except Exception as e:  # a crashing method is a measured miss, not a stop
+                row = _row(sample, spec.label, spec.spec, budget)
+                row.update(error=f"{type(e).__name__}: {e}", score=0.0, kl=None, kl_mean=None)
+                print(f"[decode grid] {spec.label}@{budget} on {sample.sample_id} failed: {e}", file=sys.stderr)
+            yield row
+
+
+def _clean(x):
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _check_setup(out: Path, cfg: EvalConfig) -> None:
+    path = out / "config.yaml"
+    if not path.exists():
+        return
+    old = yaml.safe_load(path.read_text()) or {}
+    new = cfg.to_dict()
+    for k in _SETUP:
+        if k in old and old[k] != new[k]:
+            raise ValueError(f"{out} holds rows of a grid with {k}={old[k]!r}; this one has {k}={new[k]!r}: "
+                             "use another --out")
+
+
+def run_decode_grid(cfg: EvalConfig, model=None, codec=None, progress: bool = True, report: bool = True) -> Path:
+    """Run (or resume) the decode grid of `cfg` into `cfg.out`; returns the folder."""
+    import transformers
+
+    from sparsekv import __version__
+    from sparsekv.evaluation.models import load_model
+
+    if cfg.out is None:
+        raise ValueError("out is not set: give --out DIR (or out: in the config)")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_setup(out, cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    if model is None:
+        model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
+    builder = MethodBuilder(model, cfg)
+    for spec in cfg.policy_specs:
+        builder.policy(spec)  # fail on a bad spec before any work
+    env = {"sparsekv": __version__, "torch": str(torch.__version__), "transformers": transformers.__version__,
+           "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+           "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    resolved = {**cfg.to_dict(), "policy_specs": [p.to_dict() for p in cfg.policy_specs], "environment": env}
+    _write_atomic(out / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    results = out / "results.jsonl"
+    done: dict[str, set[tuple[str, str]]] = {}
+    for r in read_rows(results):
+        if not r.get("error"):
+            done.setdefault(r["sample_id"], set()).add((r["policy"], str(r["budget"])))
+    want = {(REFERENCE, "1.0")} | {(p.label, str(b)) for p in cfg.policy_specs for b in cfg.budgets_of(p, "agnostic")}
+    for sample in decode_samples(cfg, codec):
+        have = done.get(sample.sample_id, set())
+        if want <= have:
+            continue
+        t0 = time.perf_counter()
+        for row in run_sample(model, codec, cfg, sample, builder, have):
+            with open(results, "a") as f:
+                f.write(json.dumps(_clean(row)) + "\n")
+            if progress:
+                print(f"[decode grid] {sample.sample_id} {row['policy']}@{row['budget']}: "
+                      f"kl {row.get('kl_mean')} ppl {row.get('ppl')} recall {row.get('recall')} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    if report:
+        from sparsekv.evaluation.decode_report import write_decode_report
+
+        write_decode_report(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML grid (configs/eval/decode-*.yaml)")
+    p.add_argument("--out", help="output folder (default: the config's)")
+    p.add_argument("--samples", type=int)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--report-only", action="store_true", help="rewrite the tables and plots of --out")
+    args = p.parse_args(argv)
+    cfg = EvalConfig.from_yaml(args.config, out=args.out, samples=args.samples, threads=args.threads)
+    if args.report_only:
+        from sparsekv.evaluation.decode_report import write_decode_report
+
+        write_decode_report(Path(cfg.out))
+        return 0
+    run_decode_grid(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
