@@ -327,9 +327,12 @@ def read_config(path: Path, version: int) -> AdapterConfig:
 
 def expected_shapes(config: AdapterConfig) -> dict[str, tuple[int, ...]]:
     """The head's state-dict shapes for `config`, built on the meta device (allocates nothing)."""
-    with torch.device("meta"):
-        head = GatingHead(config.hidden_size, config.num_kv_heads, config.layers, kind=config.kind,
-                          hidden=config.hidden)
+    try:
+        with torch.device("meta"):
+            head = GatingHead(config.hidden_size, config.num_kv_heads, config.layers, kind=config.kind,
+                              hidden=config.hidden)
+    except RuntimeError as e:  # sizes whose element count overflows
+        raise ValueError(f"the config's dimensions are too large for a head ({e})") from e
     return {k: tuple(v.shape) for k, v in head.state_dict().items()}
 
 
@@ -338,7 +341,10 @@ def read_weights(path: Path, config: AdapterConfig) -> dict[str, torch.Tensor]:
     tensor is read, the recorded digest (format 2), then finiteness. Errors name the file."""
     from safetensors import safe_open
 
-    want = expected_shapes(config)
+    try:
+        want = expected_shapes(config)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}

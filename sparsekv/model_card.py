@@ -115,7 +115,12 @@ def build_card(config: AdapterConfig, num_parameters: int, lora_parameters: int 
         "```",
         "",
         ("Each use applies the settings recorded for it (table above); keyword arguments override "
-         "them. Loading it onto a model of another shape raises an error naming the mismatch."),
+         "them. With the question in the prompt (`aware`), the settings may blend the head's scores "
+         "with the attention of the prompt's last tokens. A context compressed before its question "
+         "is known (`agnostic`: a prefix cached for later questions) gains nothing from that "
+         "window: it ranks by the head alone, with wider pooling so that a value's neighbours (the "
+         "key it belongs to) stay with it. Loading the adapter onto a model of another shape "
+         "raises an error naming the mismatch."),
         "",
     ]
     if lic:
