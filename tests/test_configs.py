@@ -22,6 +22,7 @@ def test_the_required_configs_ship():
     assert {p.name for p in TRAIN} >= {
         "tiny-cpu.yaml",
         "gemma3-270m-cpu.yaml",
+        "gemma3-270m-kvzap.yaml",
         "llama3.1-8b-gpu.yaml",
     }
     assert {p.name for p in ACCEL} >= {
@@ -134,3 +135,21 @@ def test_learned_4k_sets_up_learned_and_every_ablation_under_both_protocols():
     for label, spec in under["agnostic"].items():
         if label.startswith("learned, ") and label != "learned, window blend":
             assert spec.policy_kwargs.get("blend") == 0.0, label
+
+
+def test_kvzap_config_is_kvzaps_recipe():
+    """The KVzap peer: KVzip+ target, MSE, KVzap's MLP (hidden 512, no norm), 15 epochs over a
+    cached teacher, and none of our ranking tricks in its recorded policy settings."""
+    cfg = load_config(ROOT / "configs" / "train" / "gemma3-270m-kvzap.yaml")
+    target, loss = cfg.target_config(), cfg.loss_config()
+    assert (target.signal, target.kind, loss.kind) == ("reconstruction", "kvzip_plus", "mse")
+    assert (cfg.head, cfg.head_hidden, cfg.lr) == ("kvzap", 512, 0.005)
+    assert cfg.teacher_cache and cfg.max_steps == 15 * cfg.max_samples // cfg.batch_size
+    assert cfg.inference_kwargs() == {
+        "head_layer": "own",
+        "blend": 0.0,
+        "blend_mode": "mix",
+        "kernel_size": 1,
+        "recency": 0.0,
+    }
+    assert cfg.dataset == "data/train-kvzap.jsonl"
