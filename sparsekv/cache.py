@@ -52,6 +52,7 @@ from sparsekv.policies import Policy, ScoreContext
 from sparsekv.policies import get as get_policy
 from sparsekv.repeat_pass import score_pending
 from sparsekv.schedules import layer_capacity, layer_fractions
+from sparsekv.static_layer import StaticSlots, finish_hook
 
 _RECORDABLE = ("all", "window", "last")
 _PER_ENTRY = ("keys", "values", "key_scale", "value_scale", "positions", "scores", "observed")
@@ -434,6 +435,13 @@ class EvictingLayer(DynamicLayer):
             setattr(self, name, t)
 
 
+class StaticEvictingLayer(StaticSlots, EvictingLayer):
+    """`EvictingLayer` over preallocated slots written in place (`layout="static"`; the layout
+    lives in `sparsekv.static_layer`)."""
+
+    codec = (quantize, dequantize)
+
+
 class SparseKVCache(Cache):
     """A KV cache that keeps, per budgeted layer, only what `policy` scores highest.
 
@@ -490,7 +498,8 @@ class SparseKVCache(Cache):
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
             if i in budgeted:
                 r = budgeted.index(i)
-                layers.append(EvictingLayer(self.shared, i, r, fractions[r]))
+                kind_cls = StaticEvictingLayer if config.layout == "static" else EvictingLayer
+                layers.append(kind_cls(self.shared, i, r, fractions[r]))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
@@ -610,6 +619,8 @@ class SparseKVCache(Cache):
                 self._hooks.append(
                     modules[i].register_forward_pre_hook(_capture_hidden(ref, layer, first), with_kwargs=True)
                 )
+        if self.config.layout == "static":  # decode steps are scored once the forward returns
+            self._hooks.append(model.register_forward_hook(finish_hook(ref), with_kwargs=True))
         if self.config.prefill_chunk:
             self._hooks.append(model.register_forward_pre_hook(_chunk_prefill(ref), with_kwargs=True))
         if self.policy.scores_after_prefill or self.shared.record:  # the repeat pass reads the ids

@@ -143,6 +143,9 @@ def score_pending(cache: SparseKVCache) -> None:
             f"policy {cache.policy.name!r} repeats the tokens of each prefill: call the model with "
             "input_ids (not inputs_embeds), one forward per prefill"
         )
+    layout = getattr(cache.config, "layout", "dynamic")
+    if layout != "dynamic":  # static slots are written in place: a snapshot could not restore them
+        raise ValueError(f"policy {cache.policy.name!r} needs layout='dynamic', got layout={layout!r}")
     n = ids.shape[1]
     rows = [cache.policy.repeat_inputs(row) for row in ids.tolist()]
     step_mask = None if mask is None else mask[:, -n:]

@@ -278,3 +278,23 @@ def test_expected_attention_arguments_are_checked():
         policies.get("expected_attention", future_positions=0)
     with pytest.raises(ValueError, match="epsilon"):
         policies.get("expected_attention", epsilon=-1.0)
+
+
+def test_bench_prefill_writes_cost_columns(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "eval" / "bench_prefill.py"
+    spec = importlib.util.spec_from_file_location("bench_prefill", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "prose_ids", lambda codec, length: _ids(length)[0].tolist())
+    assert bench.main(["--model", "tiny:gemma3", "--length", "96", "--rounds", "1", "--policies",
+                       "kvzip,expected_attention", "--out", str(tmp_path)]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "prefill.json").read_text())["rows"]}
+    assert set(rows) == {"full", "kvzip", "expected_attention"}
+    assert rows["full"]["prefill_ratio"] == 1.0 and rows["kvzip"]["prefill_ratio"] > 0
+    assert rows["kvzip"]["peak_kv_mb"] >= rows["expected_attention"]["peak_kv_mb"]  # the repeat's entries
+    assert all(r["scorer_params"] == 0 for r in rows.values())
+    assert "| kvzip |" in (tmp_path / "prefill.md").read_text()
