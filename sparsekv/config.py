@@ -15,7 +15,6 @@ from typing import Any
 SCHEDULES = ("uniform", "pyramid")
 QUANTIZE = (None, "int8")
 LAYOUTS = ("dynamic", "static")
-LAYOUTS = ("dynamic", "static")
 BLEND_MODES = ("mix", "max")
 HEAD_LAYERS = ("own", "first")
 LEARNED_SETTINGS = ("recency", "kernel_size", "blend", "blend_mode", "head_layer")
@@ -93,20 +92,6 @@ class EvictionConfig:
     before they are evicted (a prefill chunk, or evict_slack + 1 decode tokens). None =
     max(prefill_chunk or 0, evict_slack + 1)."""
 
-    layout: str = "dynamic"
-    """How budgeted layers store their entries: "dynamic" (each eviction gathers the kept entries
-    into new, smaller tensors) or "static" (buffers of a fixed number of slots, allocated once
-    and written in place, so tensor shapes never change while decoding and the decode step can
-    be compiled; see `sparsekv.static_layer`). Both keep the same entries."""
-    max_length: int | None = None
-    """layout="static": the longest sequence (prompt + generated tokens) the buffers are sized
-    for. Needed with a fractional budget (capacity = budget x max_length) and with the "full"
-    policy; a sequence that outgrows it is an error, not a silent reallocation."""
-    static_slack: int | None = None
-    """layout="static": slots beyond the largest budget, room for the entries of one step
-    before they are evicted (a prefill chunk, or evict_slack + 1 decode tokens). None =
-    max(prefill_chunk or 0, evict_slack + 1)."""
-
     def __post_init__(self) -> None:
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)):
@@ -135,28 +120,6 @@ class EvictionConfig:
         if self.quantize not in QUANTIZE:
             raise ValueError(f"quantize={self.quantize!r} is not supported; allowed values: None, 'int8'")
         self._check_layout()
-        self._check_layout()
-
-    def _check_layout(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout={self.layout!r} is not supported; allowed values: {', '.join(LAYOUTS)}")
-        for name in ("max_length", "static_slack"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name}={v!r} must be None or an int >= 1")
-        if self.layout != "static":
-            return
-        if isinstance(self.budget, float) and self.max_length is None:
-            raise ValueError(
-                f"layout='static' with a fractional budget={self.budget!r} needs max_length (the longest "
-                "sequence the buffers hold), or give the budget as a token count"
-            )
-        need = max(self.prefill_chunk or 0, self.evict_slack + 1)
-        if self.static_slack is not None and self.static_slack < need:
-            raise ValueError(
-                f"static_slack={self.static_slack!r} is too small: one step needs max(prefill_chunk, "
-                f"evict_slack + 1) = {need} free slots"
-            )
 
     def _check_layout(self) -> None:
         if self.layout not in LAYOUTS:

@@ -1,0 +1,368 @@
+"""The static-capacity layout (`EvictionConfig(layout="static")`): a budgeted layer whose entries
+live in buffers allocated once, written in place, so tensor shapes never change while decoding.
+
+This module owns the layout; `sparsekv.cache` composes it with `EvictingLayer`
+(`StaticEvictingLayer(StaticSlots, EvictingLayer)`), whose scoring and eviction logic runs
+unchanged. Per budgeted layer every per-entry tensor is a buffer of `slots` entries:
+
+    keys, values  (batch, kv_heads, slots, head_dim)   int8 when quantized
+    key_scale, value_scale  (batch, kv_heads, slots, 1) when quantized
+    positions     (batch, kv_heads, slots)             absolute position; -1 = padding or empty
+    scores, observed  (batch, kv_heads, slots)          float32
+
+How it stays exact and static at once:
+- The first `n` slots hold exactly the entries the default ("dynamic") layout holds, in the same
+  order; `layer.keys` etc. are views of those prefixes (`SlotBuffers`), so the policies and the
+  cache's selection read the same tensors as with the default layout and keep the same set.
+  Assigning `layer.keys = t` copies `t` into the buffer's prefix: an eviction's gather writes the
+  kept entries back to the front in place (the freed slots are marked -1), nothing is allocated.
+- A decode step inside the model's forward touches only fixed shapes: the new key/value goes
+  into the next free slot with `index_copy_` at a slot index held on the device, and attention
+  runs over all `slots` with a mask from the positions (`positions >= 0`): softmax over slots in
+  any order with the empty ones masked equals attention over the kept entries. The new query is
+  kept, and the step's scoring and eviction run after the forward returns (`finish_step`, from a
+  forward hook the cache installs): per layer that is the same computation the default layout
+  does inside attention, since nothing in the rest of the forward reads this layer's entries.
+  So `model.forward` can be compiled (`torch.compile`, or CUDA graphs) for decode steps that
+  pass `position_ids` (else transformers reads `get_seq_length()`, a host int); scoring and
+  eviction stay eager Python outside the captured region.
+- Multi-token steps (prefill chunks) are not captured: they append after the prefix and attend
+  over the prefix, exactly as the default layout does.
+
+Capacity (`slot_count`): the largest number of entries a layer may keep, max(budget at
+`max_length` tokens, sink_tokens + recent_window), plus room for one step's entries before they
+are evicted: `static_slack`, default max(prefill_chunk or 0, evict_slack + 1). A prefill chunk
+(or an unchunked prompt) that needs more free slots than that, or a sequence longer than
+`max_length`, raises a ValueError naming the setting to change. The "full" policy keeps every
+token, so it needs `max_length` slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from sparsekv import attention as attn
+from sparsekv.config import EvictionConfig
+from sparsekv.schedules import layer_capacity
+
+ENTRY_NAMES = ("keys", "values", "key_scale", "value_scale", "positions", "scores", "observed")
+"""The per-entry tensors of a budgeted layer (the cache's `_PER_ENTRY`), each held in a buffer."""
+_KV = ("keys", "values", "key_scale", "value_scale")
+
+
+def step_room(config: EvictionConfig) -> int:
+    """Free slots one step may need before eviction: `static_slack`, else
+    max(prefill_chunk or 0, evict_slack + 1)."""
+    if config.static_slack is not None:
+        return config.static_slack
+    return max(config.prefill_chunk or 0, config.evict_slack + 1)
+
+
+def slot_count(config: EvictionConfig, fraction: float, evicts: bool = True) -> int:
+    """Slots per KV head of a budgeted layer with schedule weight `fraction`."""
+    if not evicts:
+        if config.max_length is None:
+            raise ValueError(
+                "layout='static' with a policy that keeps every token (full) needs max_length"
+            )
+        return config.max_length
+    if isinstance(config.budget, float):
+        cap = layer_capacity(config, fraction, config.max_length)
+    else:
+        cap = layer_capacity(config, fraction, 0)  # a token count does not depend on the length
+    slots = max(cap, config.sink_tokens + config.recent_window) + step_room(config)
+    return slots if config.max_length is None else min(slots, max(config.max_length, 1))
+
+
+class SlotBuffers:
+    """Growable per-entry tensors in fixed buffers: `view(name)` is the first `length(name)`
+    entries (axis 2) of buffer `name`; `assign(name, t)` copies `t` into that prefix."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.buf: dict[str, torch.Tensor] = {}
+        self.len: dict[str, int] = {}
+        self.changed = True  # the keys' length changed on the host since the last `refresh`
+
+    def length(self, name: str = "keys") -> int:
+        return self.len.get(name, 0)
+
+    def view(self, name: str) -> torch.Tensor | None:
+        b = self.buf.get(name)
+        return None if b is None else b[:, :, : self.len[name]]
+
+    def _buffer_for(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        b = self.buf.get(name)
+        same = (
+            b is not None
+            and b.shape[:2] == value.shape[:2]
+            and b.shape[3:] == value.shape[3:]
+            and b.dtype == value.dtype
+            and b.device == value.device
+        )
+        if not same:  # first use, or a new batch size (batch_repeat_interleave): allocate once
+            b = value.new_full(
+                (*value.shape[:2], self.slots, *value.shape[3:]), -1 if name == "positions" else 0
+            )
+            self.buf[name], self.len[name] = b, 0
+        return b
+
+    def assign(self, name: str, value: torch.Tensor | None) -> None:
+        if (
+            value is None or value.ndim < 3
+        ):  # unset (transformers' placeholder is a 1-D empty tensor)
+            self.buf.pop(name, None)
+            self.len.pop(name, None)
+            self.changed |= name == "keys"
+            return
+        n = value.shape[2]
+        if n > self.slots:
+            raise ValueError(f"{name}: {n} entries do not fit in {self.slots} static slots")
+        b = self._buffer_for(name, value)
+        old = self.len[name]
+        if not (
+            value.data_ptr() == b.data_ptr() and value.stride() == b.stride()
+        ):  # else: the prefix itself
+            if value.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+                value = value.clone()  # another part of the same buffer
+            b[:, :, :n].copy_(value)
+        if name == "positions" and old > n:
+            b[:, :, n:old].fill_(-1)  # freed slots: masked from now on
+        self.len[name] = n
+        self.changed |= name == "keys" and n != old
+
+    def write(self, name: str, start: int, value: torch.Tensor) -> None:
+        """Copy `value` `(batch, heads, q, ...)` into entries [start, start + q), extending it."""
+        b = self.buf[name]
+        b[:, :, start : start + value.shape[2]].copy_(value)
+        self.len[name] = start + value.shape[2]
+        self.changed |= name == "keys"
+
+
+class _Entry:
+    """A per-entry attribute of a static layer: reads the buffer's prefix; assigning copies
+    into it."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else obj._slots.view(self.name)
+
+    def __set__(self, obj, value) -> None:
+        obj._slots.assign(self.name, value)
+
+
+class StaticSlots:
+    """Mixin placed before `EvictingLayer`: its per-entry tensors become views of fixed buffers
+    and decode steps write in place (see the module docstring). `codec` is `(quantize,
+    dequantize)`, set by the composing class (they live in `sparsekv.cache`)."""
+
+    codec: ClassVar[tuple[Callable, Callable]]
+    keys = _Entry()
+    values = _Entry()
+    key_scale = _Entry()
+    value_scale = _Entry()
+    positions = _Entry()
+    scores = _Entry()
+    observed = _Entry()
+
+    def __init__(self, shared, layer_idx: int, budget_rank: int, fraction: float):
+        if getattr(shared.policy, "scores_after_prefill", False):
+            raise ValueError(
+                f"layout='static' does not support policy {shared.policy.name!r}: its repeat "
+                "pass appends a repeat prompt to every layer and restores the layers from a "
+                "shallow snapshot, which in-place buffers do not allow; use layout='dynamic'"
+            )
+        self._slots = SlotBuffers(slot_count(shared.config, fraction, shared.policy.evicts))
+        self._step: tuple | None = None  # what a decode step left for `finish_step`
+        self._slot: torch.Tensor | None = None  # (1,) long on the device: the next free slot
+        self._pos: torch.Tensor | None = None  # (1, 1, 1) long on the device: its absolute position
+        self._full = False  # no free slot is left for another decode token
+        super().__init__(shared, layer_idx, budget_rank, fraction)
+
+    @property
+    def slots(self) -> int:
+        return self._slots.slots
+
+    # ---- writing ----------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append this step's keys/values `(batch, kv_heads, q, head_dim)`; returns what the
+        step attends over: the kept prefix plus the new entries for a multi-token step, all
+        `slots` (masked by position) for a decode step."""
+        if self._step is not None:  # the forward hook did not run (e.g. the base model was called)
+            self.finish_step()
+        if key_states.shape[-2] > 1 or not self.is_initialized or self._slots.length() == 0:
+            return self._append(key_states, value_states)
+        if self._slots.changed:
+            self._refresh()
+        if self._full:
+            raise ValueError(self._overflow_message(self._slots.length() + 1))
+        return self._decode(key_states, value_states)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
+            self._pos = torch.zeros(1, 1, 1, dtype=torch.long, device=self.device)
+        b, h, q, _ = key_states.shape
+        s, n = self._slots, self._slots.length()
+        if n + q > s.slots:
+            raise ValueError(self._overflow_message(n + q, q))
+        if self.quantized:
+            quantize, dequantize = self.codec
+            keys = torch.cat([dequantize(self.keys, self.key_scale), key_states], dim=-2)
+            values = torch.cat([dequantize(self.values, self.value_scale), value_states], dim=-2)
+            (kq, ks), (vq, vs) = quantize(key_states), quantize(value_states)
+            for name, t in (("keys", kq), ("key_scale", ks), ("values", vq), ("value_scale", vs)):
+                s.write(name, n, t)
+        else:
+            s.write("keys", n, key_states)
+            s.write("values", n, value_states)
+            keys, values = self.keys, self.values
+        s.write(
+            "positions",
+            n,
+            torch.arange(self.seen, self.seen + q, device=self.device).expand(b, h, q),
+        )
+        self._live = (keys, values)
+        self.seen += q
+        self.num_new = q
+        attn.announce_layer(self.layer_idx, self)
+        measure = self.shared.measure() if self.shared.measure is not None else None
+        if measure is not None:
+            self.shared.peak_bytes = max(self.shared.peak_bytes, measure())
+        return keys, values
+
+    def _decode(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """One token into the next free slot; fixed shapes, no host reads of changing values."""
+        buf, slot = self._slots.buf, self._slot
+        b, h = key_states.shape[:2]
+        if self.quantized:
+            quantize, dequantize = self.codec
+            (kq, ks), (vq, vs) = quantize(key_states), quantize(value_states)
+            for name, t in (("keys", kq), ("key_scale", ks), ("values", vq), ("value_scale", vs)):
+                buf[name].index_copy_(2, slot, t)
+            # this step attends to its own entry at full precision, as the dynamic layout does
+            keys = dequantize(buf["keys"], buf["key_scale"]).index_copy_(2, slot, key_states)
+            values = dequantize(buf["values"], buf["value_scale"]).index_copy_(
+                2, slot, value_states
+            )
+        else:
+            buf["keys"].index_copy_(2, slot, key_states)
+            buf["values"].index_copy_(2, slot, value_states)
+            keys, values = buf["keys"], buf["values"]
+        buf["positions"].index_copy_(2, slot, self._pos.expand(b, h, 1))
+        self._step = (keys, values)
+        self.num_new = 1
+        attn.announce_layer(self.layer_idx, self)
+        return keys, values
+
+    def _refresh(self) -> None:
+        """Point the device-side slot index at the first free slot (no host sync)."""
+        n = self._slots.length()
+        self._full = n >= self._slots.slots
+        if not self._full:
+            self._slot.fill_(n)
+        self._pos.fill_(self.seen)
+        self._slots.changed = False
+
+    def _overflow_message(self, need: int, q: int = 1) -> str:
+        cfg = self.shared.config
+        return (
+            f"layout='static': layer {self.layer_idx} has {self._slots.slots} slots per KV head "
+            f"but this step needs {need} ({need - q} kept + {q} new, after {self.seen} tokens). "
+            f"A prefill chunk must fit in the free room: set prefill_chunk <= {step_room(cfg)} "
+            f"(static_slack={cfg.static_slack}, "
+            f"evict_slack={cfg.evict_slack}), or raise static_slack; a sequence must not outgrow "
+            f"max_length={cfg.max_length}"
+        )
+
+    # ---- attention and scoring --------------------------------------------------------------
+    def attention_mask(self, q: int, explicit_causal: bool) -> torch.Tensor | None:
+        if self._step is not None:  # a decode step over all slots: empty and padding ones are -1
+            return (self._slots.buf["positions"] >= 0)[:, :, None, :]
+        return super().attention_mask(q, explicit_causal)
+
+    def observe(self, module, query, kv_mask, scaling, softcap) -> None:
+        if self._step is not None:  # decode: keep the query; scored after the forward
+            self._step = (*self._step[:2], query, scaling, softcap)
+            return
+        super().observe(module, query, kv_mask, scaling, softcap)
+
+    def finish_step(self) -> None:
+        """Score and evict the decode step the forward left: the default layout's computation,
+        on the kept prefix (host bookkeeping first: the new entry is the prefix's last)."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        if len(step) != 5:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: a decode step was written but never attended over"
+            )
+        keys, values, query, scaling, softcap = step
+        s = self._slots
+        n = s.length() + 1
+        for name in ("keys", "values", "positions") + (
+            ("key_scale", "value_scale") if self.quantized else ()
+        ):
+            s.len[name] = n
+        s.changed = True
+        self.seen += 1
+        self._live = (keys[:, :, :n], values[:, :, :n])
+        kv_mask = super().attention_mask(1, explicit_causal=False)
+        super().observe(None, query, kv_mask, scaling, softcap)
+        self._refresh()
+
+    # ---- measurements and transformers' protocol --------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of the key/value buffers held (all slots, int8 scales included)."""
+        return sum(self._slots.buf[n].nbytes for n in _KV if n in self._slots.buf)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Constant, so that a compiled forward does not specialize on the kept length; sparsekv's
+        # attention builds its own masks from the positions.
+        return self._slots.slots + query_length, 0
+
+
+def finish_steps(cache: Any) -> None:
+    """Score and evict the decode step every static layer of `cache` has pending."""
+    for layer in cache.layers:
+        if isinstance(layer, StaticSlots):
+            layer.finish_step()
+
+
+def finish_hook(ref: Callable[[], Any]) -> Callable:
+    """Forward hook on the model: once a forward through the cache (`ref()`) returns, finish its
+    decode steps (eagerly: outside a compiled `model.forward`)."""
+
+    def hook(module, args, kwargs, output):
+        cache = ref()
+        if cache is not None and kwargs.get("cache") is cache:
+            finish_steps(cache)
+
+    return hook
+
+
+def slots_per_layer(cache: Any) -> dict[int, int]:
+    """Slots per KV head of each static layer of `cache`, by layer index."""
+    return {
+        i: cache.layers[i].slots
+        for i in cache.budgeted_layers
+        if isinstance(cache.layers[i], StaticSlots)
+    }
+
+
+__all__ = [
+    "ENTRY_NAMES",
+    "SlotBuffers",
+    "StaticSlots",
+    "finish_hook",
+    "finish_steps",
+    "slot_count",
+    "slots_per_layer",
+    "step_room",
+]
