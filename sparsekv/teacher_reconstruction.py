@@ -3,7 +3,7 @@
 This module owns the reconstruction signals of `TargetConfig` (`signal="reconstruction"` and
 `"both"`, `kind="kvzip_plus"`) and `training_targets`, the one entry that serves every signal
 (`signal="questions"` is `sparsekv.teacher.teacher_targets`). It runs the frozen model through
-`sparsekv.teacher.teacher_forward` and knows nothing about heads, losses or caches.
+`sparsekv.teacher_forward.teacher_forward` and knows nothing about heads, losses or caches.
 
 **The pass.** Per batch row, its real tokens `c` (length m, padding dropped) are followed by the
 repeat prompt (`sparsekv.reconstruction.REPEAT_PROMPT`, tokenized by the caller) and by `c`
@@ -40,15 +40,13 @@ from torch import nn
 from sparsekv.families import model_shape, text_config
 from sparsekv.teacher import (
     TargetConfig,
-    _valid_mask,
     attention_received,
     cumulative_targets,
     default_layers,
-    layer_scaling,
     source_layers,
-    teacher_forward,
     teacher_targets,
 )
+from sparsekv.teacher_forward import layer_scaling, teacher_forward, valid_mask
 
 
 def reconstruction_layout(
@@ -250,7 +248,7 @@ def training_targets(
         q_layers = set()
         if target.signal == "both":
             q_layers = {s for i in layers for s in source_layers(i, target, types)}
-    valid = _valid_mask(input_ids, attention_mask)
+    valid = valid_mask(input_ids, attention_mask)
     b, n = input_ids.shape
     bos = getattr(text_config(model), "bos_token_id", None)
     targets = {i: torch.zeros(b, shape.num_kv_heads, n, device=input_ids.device) for i in layers}
