@@ -293,6 +293,111 @@ def test_entry_point_reports_a_bad_override_and_exits_2():
     assert "unknown config key 'max_step'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_train_py_without_config_prints_its_usage_and_exits_2():
+    proc = subprocess.run(
+        [sys.executable, "train.py"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: python train.py --config")
+    assert "--config is required" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "yaml_text, words",
+    [
+        ("model: tiny:llama\nlr: [0.1\n", ["bad.yaml", "not valid YAML", "line 3"]),
+        ("model: tiny:llama\nlr: .nan\n", ["lr=nan must be a finite number"]),
+        ("model: tiny:llama\nlr: .inf\n", ["lr=inf must be a finite number"]),
+        ("model: tiny:llama\nlr: -0.1\n", ["lr=-0.1 must be > 0"]),
+        ("model: tiny:llama\nmin_lr_ratio: .nan\n", ["min_lr_ratio=nan must be a finite number"]),
+        ("model: tiny:llama\nweight_decay: -1\n", ["weight_decay=-1.0 must be >= 0"]),
+    ],
+)
+def test_bad_training_yaml_gives_a_clear_error(yaml_text, words, tmp_path, capsys):
+    from train.loop import parse_args
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_an_override_that_is_not_yaml_names_itself(capsys):
+    from train.loop import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--config", TINY, "layers=[0, 1"])
+    assert "override 'layers=[0, 1': value '[0, 1' is not valid YAML" in capsys.readouterr().err
+
+
+def test_a_torn_last_metrics_line_does_not_stop_resume(smoke_run, full_run, tmp_path, corpus):
+    import shutil
+
+    out = tmp_path / "torn"
+    shutil.copytree(smoke_run[0], out)
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "loss": 0.12')  # killed while writing step 5's row
+    run_inprocess(["max_steps=6", *common(out, corpus)])
+    assert losses(out) == losses(full_run)
+
+
+def test_a_damaged_metrics_line_before_the_last_is_a_clear_error(smoke_run, tmp_path, corpus, capsys):
+    import shutil
+
+    out = tmp_path / "damaged"
+    shutil.copytree(smoke_run[0], out)
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    rows[1] = rows[1][:20]
+    (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(SystemExit) as e:
+        run_inprocess(["max_steps=6", *common(out, corpus)])
+    assert e.value.code == 2
+    assert "metrics.jsonl: line 2 is not a JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["tiny:qwen3", "tiny:gemma3"])
+def test_resuming_onto_another_model_is_a_clear_error(model, smoke_run, tmp_path, corpus, capsys):
+    """tiny:qwen3 has the head's shapes (it used to resume with a warning), tiny:gemma3 not (it
+    used to crash in load_state_dict); both stop before anything is written or loaded."""
+    import shutil
+
+    out = tmp_path / "other-model"
+    shutil.copytree(smoke_run[0], out)
+    before = (out / "config.yaml").read_text()
+    with pytest.raises(SystemExit) as e:
+        run_inprocess(["max_steps=6", f"model={model}", *common(out, corpus)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"was trained on model='tiny:llama' but this run loads model='{model}'" in err
+    assert (out / "config.yaml").read_text() == before
+
+
+def test_resuming_onto_another_layer_set_is_a_clear_error(smoke_run, tmp_path, corpus, capsys):
+    import shutil
+
+    out = tmp_path / "other-layers"
+    shutil.copytree(smoke_run[0], out)
+    with pytest.raises(SystemExit):
+        run_inprocess(["max_steps=6", "layers=[0, 1]", *common(out, corpus)])
+    assert "has heads on layers [0, 1, 2, 3] but this run puts them on [0, 1]" in capsys.readouterr().err
+
+
+def test_cpu_true_under_a_deepspeed_launch_is_an_error(monkeypatch):
+    from train.loop import RunError, make_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(RunError, match="cpu=true with an accelerate config that names DeepSpeed"):
+        make_accelerator(load_config(TINY, ["cpu=true"]))
+
+
+def test_shipped_cpu_configs_let_accelerate_decide_the_device():
+    for path in sorted((ROOT / "configs" / "train").glob("*-cpu.yaml")):
+        assert load_config(path).cpu is False, path.name
+
+
 def test_overrides_and_push_flag_apply():
     from train.loop import parse_args
 
@@ -520,6 +625,38 @@ def test_deepspeed_single_process_resumes_exactly(stage, full_run, tmp_path, cor
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "deepspeed" in {p.name for p in (out / "step-0006").iterdir()}
     assert losses(out) == pytest.approx(losses(full_run), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_deepspeed_cpu_config_trains_under_the_deepspeed_engine(full_run, tmp_path, corpus):
+    """The shipped CPU DeepSpeed config with the shipped tiny CPU training config, as the README
+    launches it: the head is trained by a DeepSpeedEngine under ZeRO-2 (recorded in
+    trainer_state.json and the final adapter), with the plain run's losses. ~45 s here."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "zero2-cpu"
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "configs/accelerate/deepspeed_zero2_cpu.yaml",
+    ]
+    proc = run_cli(["max_steps=4", *common(out, corpus)], launcher=launcher, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = {"distributed_type": "DEEPSPEED", "zero_stage": 2, "engine": "DeepSpeedEngine",
+                "num_processes": 1, "device": "cpu"}
+    state = json.loads((out / "step-0004" / "trainer_state.json").read_text())
+    assert state["distributed"] == expected
+    assert "deepspeed" in {p.name for p in (out / "step-0004").iterdir()}
+    assert "distributed_type=DEEPSPEED" in proc.stdout
+    from sparsekv.adapter import ScorerAdapter
+
+    card = ScorerAdapter.from_pretrained(out / "final").config.training_config
+    assert card["result"]["distributed"] == expected
+    assert losses(out) == pytest.approx({k: v for k, v in losses(full_run).items() if k <= 4}, rel=1e-6)
+    # cpu=true would silently drop DeepSpeed: refused
+    proc = run_cli(["max_steps=4", "cpu=true", *common(tmp_path / "x", corpus)], launcher=launcher)
+    assert proc.returncode != 0 and "train.py: error: cpu=true with an accelerate config" in proc.stderr
 
 
 def test_training_needles_never_use_the_evaluation_wording():

@@ -13,6 +13,7 @@ import ast
 import difflib
 import inspect
 import itertools
+import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -43,7 +44,9 @@ class TrainConfig:
     """Seed for the head's initialization, the data order, tiny models and every RNG."""
     cpu: bool = False
     """Run on the CPU even where a GPU is present; multi-process runs then use DDP over gloo
-    (without a GPU that happens anyway)."""
+    (without a GPU that happens anyway). Leave it false under an accelerate config that names
+    DeepSpeed (an error: it would drop DeepSpeed); configs/accelerate/deepspeed_zero2_cpu.yaml
+    runs DeepSpeed on a CPU machine by itself."""
     num_threads: int | None = None
     """CPU threads per process for torch (torch.set_num_threads); None = torch's default. 1 is
     fastest for tiny models and on busy machines, where extra threads spin-wait for each other."""
@@ -167,6 +170,8 @@ class TrainConfig:
                 _at_least(name, getattr(self, name), 1)
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
         if self.grad_clip is not None and self.grad_clip <= 0:
@@ -300,6 +305,8 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         raise ValueError(f"{name}={value!r} must be a list of {_type_name(args[0])}s")
     if not ok.get(tp, True):
         raise ValueError(f"{name}={value!r} must be {_type_name(tp)}")
+    if tp is float and not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
     return float(value) if tp is float else value
 
 
@@ -328,7 +335,17 @@ def parse_value(text: str) -> Any:
     """
     if text.strip() in ("", "~", "null", "Null", "NULL"):
         return None
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"value {text!r} is not valid YAML ({_yaml_problem(e)})") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (line:column, 1-based)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or type(e).__name__}{where}"
 
 
 def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -338,6 +355,10 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like key=value (e.g. max_steps=50)")
+        try:
+            parse_value(raw)
+        except ValueError as e:
+            raise ValueError(f"override {item!r}: {e}") from None
         head, dot, sub = key.partition(".")
         if dot:
             if head not in ("target", "loss", "build", "inference"):
@@ -359,7 +380,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"--config {str(path)!r}: no such file")
-        d = yaml.safe_load(path.read_text()) or {}
+        try:
+            d = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {str(path)!r}: not valid YAML: {_yaml_problem(e)}") from e
         if not isinstance(d, dict):
             raise ValueError(f"--config {str(path)!r}: expected a mapping of config keys")
     d = apply_overrides(d, list(overrides))

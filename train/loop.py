@@ -50,6 +50,12 @@ Overrides: any config key (max_steps=50 output_dir=checkpoints/x seed=1 resume=n
 target./loss./build./inference. keys (loss.kl_weight=0.5). Values are read as YAML (null = None)."""
 
 
+class RunError(ValueError):
+    """A setting, or the state of the run folder, that stops a run before it trains (another
+    model than the checkpoint's, DeepSpeed dropped by `cpu`, a damaged metrics log): `train.py`
+    prints it without a traceback and exits with status 2."""
+
+
 # ---------------------------------------------------------------------- command line
 
 
@@ -67,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--push_to_hub", metavar="REPO", help="push the final adapter to this Hub repo")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
+    if args.config is None:  # a run without a config would silently train the defaults
+        p.error("--config is required (a YAML file, e.g. configs/train/tiny-cpu.yaml)")
     overrides = list(args.overrides)
     if args.push_to_hub:
         overrides.append(f"push_to_hub={args.push_to_hub}")
@@ -168,8 +176,22 @@ def make_accelerator(cfg: TrainConfig):
 
         log_with = "tensorboard" if is_tensorboard_available() else "none"
     # accelerate picks CPU DDP (gloo) for a torchrun-style launch only when asked for the CPU;
-    # without CUDA there is nothing else to run on, so ask.
+    # without CUDA there is nothing else to run on, so ask (unless DeepSpeed runs the show:
+    # `cpu=True` would make accelerate drop its DeepSpeed plugin without a word).
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    deepspeed = _launched_with_deepspeed()
+    if deepspeed and cfg.cpu:
+        raise RunError(
+            "cpu=true with an accelerate config that names DeepSpeed would run plain CPU training "
+            "without DeepSpeed; set cpu=false (DeepSpeed then runs on the CPU by itself when there "
+            "is no GPU: configs/accelerate/deepspeed_zero2_cpu.yaml) or launch without DeepSpeed"
+        )
+    if deepspeed and multi and not torch.cuda.is_available():
+        raise RunError(
+            "DeepSpeed on the CPU runs one process here (several CPU processes under DeepSpeed "
+            "fail with a world-size mismatch); launch with --num_processes 1 "
+            "(configs/accelerate/deepspeed_zero2_cpu.yaml) or use configs/accelerate/ddp_cpu.yaml"
+        )
     cpu = cfg.cpu or (multi and not torch.cuda.is_available())
     _warn_single_cpu_launch()
     project = ProjectConfiguration(project_dir=str(cfg.run_dir), logging_dir=str(cfg.run_dir))
@@ -195,6 +217,27 @@ def make_accelerator(cfg: TrainConfig):
     return acc
 
 
+def _launched_with_deepspeed() -> bool:
+    """True when `accelerate launch` was given a config (or flag) that names DeepSpeed."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes")
+
+
+def describe_distributed(acc, engine: nn.Module | None = None) -> dict[str, Any]:
+    """How the run is distributed, for the log, trainer_state.json and the final summary:
+    accelerate's distributed type, the ZeRO stage under DeepSpeed, processes, device and the
+    class that wraps the head (`DeepSpeedEngine` under DeepSpeed)."""
+    out: dict[str, Any] = {
+        "distributed_type": acc.distributed_type.name,
+        "num_processes": acc.num_processes,
+        "device": str(acc.device),
+    }
+    if acc.distributed_type.name == "DEEPSPEED":
+        out["zero_stage"] = acc.state.deepspeed_plugin.zero_stage
+    if engine is not None:
+        out["engine"] = type(engine).__name__
+    return out
+
+
 def _warn_single_cpu_launch() -> None:
     """`accelerate launch --cpu --num_processes N` starts N processes only through MPI."""
     launched_for_many = (
@@ -217,6 +260,7 @@ def prepare_run_dir(cfg: TrainConfig, acc) -> None:
             f"output_dir={str(run_dir)!r} already holds checkpoints; pass resume=auto to "
             "continue that run or choose another output_dir"
         )
+    check_resume_model(cfg)  # before config.yaml is rewritten
     if acc.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.clean_leftovers(run_dir)
@@ -228,6 +272,29 @@ def prepare_run_dir(cfg: TrainConfig, acc) -> None:
         tmp.write_text(dump_yaml(cfg, header))
         tmp.replace(run_dir / "config.yaml")
     acc.wait_for_everyone()
+
+
+def resume_path(cfg: TrainConfig) -> Path | None:
+    """The checkpoint a run continues from: the newest complete step-N/ under `resume=auto`, the
+    given folder, or None (`resume=never`, or nothing saved yet)."""
+    if cfg.resume == "never":
+        return None
+    return ckpt.latest(cfg.run_dir) if cfg.resume == "auto" else Path(cfg.resume)
+
+
+def check_resume_model(cfg: TrainConfig) -> None:
+    """Resuming a checkpoint trained on another base model is an error, raised before anything
+    is written or loaded (the head would be loaded onto a model it was not trained for)."""
+    path = resume_path(cfg)
+    if path is None or not (path / ckpt.TRAINER_STATE).is_file():
+        return
+    was = ckpt.read_json(path / ckpt.TRAINER_STATE).get("config", {}).get("model")
+    if was is not None and was != cfg.model:
+        raise RunError(
+            f"resume: {path} was trained on model={was!r} but this run loads model={cfg.model!r}; "
+            "resume with the same model, or start a new run (another output_dir, or resume=never "
+            "in an empty one)"
+        )
 
 
 @contextmanager
@@ -356,9 +423,10 @@ class MetricsLog:
         self.acc = acc
         self.path = cfg.run_dir / "metrics.jsonl"
         if acc.is_main_process and self.path.exists():
-            rows = [r for r in self.path.read_text().splitlines() if r.strip()]
-            keep = [r for r in rows if json.loads(r).get("step", 0) <= start_step]
-            self.path.write_text("".join(r + "\n" for r in keep))
+            keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            tmp.replace(self.path)
         if acc.log_with:
             acc.init_trackers("tensorboard", config=_flat_hparams(cfg.to_dict()))
 
@@ -369,8 +437,32 @@ class MetricsLog:
         self.acc.log(metrics, step=step)
 
     def last(self) -> dict[str, Any]:
-        rows = self.path.read_text().splitlines() if self.path.exists() else []
-        return json.loads(rows[-1]) if rows else {}
+        rows = read_metrics(self.path) if self.path.exists() else []
+        return rows[-1] if rows else {}
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a `metrics.jsonl`. A torn last line (the run was killed while writing it) is
+    dropped; a damaged line anywhere else is an error naming the file and the line."""
+    lines = path.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
+            if i == len(lines) - 1:
+                print(f"warning: {path}: dropped its torn last line {line[:50]!r}", file=sys.stderr)
+                break
+            raise RunError(
+                f"{path}: line {i + 1} is not a JSON object ({line[:60]!r}); repair or delete that "
+                "line to resume the run"
+            )
+        rows.append(row)
+    return rows
 
 
 def _flat_hparams(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -426,6 +518,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, fn)
         layerwise = LayerwiseHead(self.adapter.head, self.objective.layers)
         self.head, self.optimizer = self.acc.prepare(layerwise, opt)
+        self.distributed = describe_distributed(self.acc, self.head)
+        self.acc.print("distributed: " + ", ".join(f"{k}={v}" for k, v in self.distributed.items()))
         self.state = TrainState()
         self.resume()
         self.metrics = MetricsLog(self.acc, cfg, self.state.step)
@@ -531,6 +625,7 @@ class Trainer:
         return {
             **self.state.__dict__,
             "world_size": self.acc.num_processes,
+            "distributed": self.distributed,
             "trainable_parameters": count_parameters(self.adapter.head, trainable=True),
             "base_parameters": count_parameters(self.model),
             "config": self.cfg.to_dict(),
@@ -555,7 +650,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.resume == "never":
             return
-        path = ckpt.latest(cfg.run_dir) if cfg.resume == "auto" else Path(cfg.resume)
+        path = resume_path(cfg)
         if path is None:
             return
         if not (path / ckpt.TRAINER_STATE).is_file():
@@ -568,11 +663,20 @@ class Trainer:
         from sparsekv.adapter import ScorerAdapter
 
         acc = self.acc
+        saved_adapter = ScorerAdapter.from_pretrained(str(path / "adapter"))
+        try:  # another model (or other layers) is an error here, not in load_state_dict
+            saved_adapter.check_compatible(self.model)
+        except ValueError as e:
+            raise RunError(f"resume: {path}: {e}") from None
+        if saved_adapter.config.layers != self.adapter.config.layers:
+            raise RunError(
+                f"resume: {path} has heads on layers {saved_adapter.config.layers} but this run "
+                f"puts them on {self.adapter.config.layers}; resume with the same layers"
+            )
         if self._deepspeed:
             acc.load_state(str(path / "deepspeed"))
         else:
-            weights = ScorerAdapter.from_pretrained(str(path / "adapter")).head.state_dict()
-            self.adapter.head.load_state_dict(weights)
+            self.adapter.head.load_state_dict(saved_adapter.head.state_dict())
             self.optimizer.load_state_dict(ckpt.load_state_dict(path / "optimizer.safetensors"))
         self.scheduler.load_state_dict(ckpt.read_json(path / "scheduler.json"))
         rng = path / f"rng_state_{acc.process_index}.safetensors"
@@ -602,6 +706,7 @@ class Trainer:
             "trainable_parameters": n,
             "base_parameters": base,
             "final": str(cfg.run_dir / "final"),
+            "distributed": self.distributed,
             "last_metrics": self.metrics.last() if acc.is_main_process else {},
         }
         if acc.is_main_process:
@@ -611,7 +716,8 @@ class Trainer:
                 "config": cfg.to_dict(),
                 "result": {
                     k: summary[k]
-                    for k in ("step", "trainable_parameters", "base_parameters", "last_metrics")
+                    for k in ("step", "trainable_parameters", "base_parameters", "distributed")
+                    + ("last_metrics",)
                 },
             }
             adapter.save_pretrained(cfg.run_dir / "final")  # atomic (temp folder + rename)
@@ -643,7 +749,12 @@ class Trainer:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Entry point of train.py: returns the run summary (step, parameter counts, final path)."""
     cfg = parse_args(argv)
-    return Trainer(cfg).fit()
+    try:
+        trainer = Trainer(cfg)
+    except RunError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return trainer.fit()
 
 
 if __name__ == "__main__":  # python -m train.loop --config ...
