@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import itertools
 import json
 import os
 import random
 import re
 import tempfile
+import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -36,7 +38,7 @@ from sparsekv import sources
 # The training side of the split: only families that sparsekv.sources marks "train" (the
 # evaluation reads the "eval" ones), checked at import.
 SOURCES = tuple(f.name for f in sources.families(split="train", kind="prose"))
-KINDS = ("passkey", "kv", "vars")
+KINDS = ("passkey", "kv", "vars", "words", "uuid", "pairs", "tally", "quote")
 
 
 @dataclass
@@ -52,7 +54,7 @@ class BuildConfig:
     context_chars: int = 4000
     """Characters of prose around the needles of one synthetic sample (about 4 per token)."""
     kinds: list[str] = field(default_factory=lambda: list(KINDS))
-    """Synthetic sample kinds to draw from: passkey, kv, vars."""
+    """Synthetic sample kinds to draw from: passkey, kv, vars, words, uuid, pairs, tally, quote."""
     sources: list[str] = field(default_factory=lambda: list(SOURCES))
     """Prose sources: pydoc, docstrings, licenses."""
 
@@ -195,7 +197,132 @@ def _vars(rng: random.Random, context: str) -> tuple[str, str, str]:
     return text, q, f"{names[hops - 1]} is {value}."
 
 
+# Keyed needles of the other value types, as (needle, question, answer) with {k} the key and
+# {v} the value: ordinary words, UUID-like strings, and two keys asked at once.
+_WORD_TEMPLATES = (
+    ("Pinned to the door: the motto chosen by {k} is '{v}'.", "Which motto did {k} choose?",
+     "{k} chose the motto '{v}'."),
+    ("In the inventory, crate {k} is marked with the word {v}.", "Which word marks crate {k}?",
+     "Crate {k} is marked {v}."),
+    ("Agent {k} went by the nickname {v}.", "What nickname did agent {k} go by?",
+     "Agent {k} went by {v}."),
+)
+_UUID_TEMPLATES = (
+    ("Ticket {k} carries the reference {v}.", "Which reference does ticket {k} carry?",
+     "Ticket {k} carries {v}."),
+    ("Checksum recorded for archive {k}: {v}", "Give the checksum recorded for archive {k}.",
+     "Archive {k} has checksum {v}."),
+    ("The token issued to user {k} reads {v}.", "Which token was issued to user {k}?",
+     "User {k} was issued {v}."),
+)
+# (needle with {k}, {v}; question with {k1}, {k2}; answer with {k1}, {v1}, {k2}, {v2}).
+_PAIR_TEMPLATES = (
+    ("Shelf {k} holds {v} books.", "How many books do shelves {k1} and {k2} hold?",
+     "Shelf {k1} holds {v1} books and shelf {k2} holds {v2}."),
+    ("Key {k} maps to {v}.", "Look up keys {k1} and {k2}.", "{k1} maps to {v1}; {k2} maps to {v2}."),
+    ("Runner {k} finished in {v} seconds.", "How long did runners {k1} and {k2} take?",
+     "Runner {k1} took {v1} seconds, runner {k2} took {v2} seconds."),
+)
+# (introduction of the word block, question, answer with {words}).
+_TALLY_TEMPLATES = (
+    ("Tally sheet:", "Which three words are listed most often on the tally sheet?",
+     "Most often listed: {words}."),
+    ("Cipher stream:", "Name the three cipher tokens that recur most.", "They are {words}."),
+)
+# (question with {cue}, answer: "rest" = the words after the cue, "all" = the whole sentence).
+_QUOTE_TEMPLATES = (
+    ('Quote the sentence of the passage that begins with "{cue}".', "all"),
+    ('How does the sentence starting "{cue}" end?', "rest"),
+    ("Finish the line from the document: {cue}", "rest"),
+)
+TEMPLATES: tuple[str, ...] = tuple(
+    t
+    for group in (_PASSKEY_TEMPLATES, _VAR_TEMPLATES, _WORD_TEMPLATES, _UUID_TEMPLATES,
+                  _PAIR_TEMPLATES, _TALLY_TEMPLATES)
+    for row in group
+    for t in row
+) + tuple(q for q, _ in _QUOTE_TEMPLATES) + (
+    "The value of key {k} is {v}.", "What is the value of key {k}?", "What is the value of {k}?",
+)
+
+
+def _train_key(rng: random.Random) -> str:
+    return f"{rng.choice('BCDFGHJKLMNPRSTVWXZ')}{rng.choice('AEIOUY')}{rng.randrange(10, 100)}"
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary(prose: tuple[str, ...]) -> tuple[str, ...]:
+    """Lower-case words of 4-9 letters used at least five times in the training prose, sorted."""
+    counts: Counter[str] = Counter()
+    for doc in prose:
+        counts.update(re.findall(r"\b[a-z]{4,9}\b", doc))
+    return tuple(sorted(w for w, c in counts.items() if c >= 5))
+
+
+def _keyed(rng, context, templates, values) -> tuple[str, str, str]:
+    keys = rng.sample(sorted({_train_key(rng) for _ in range(4 * len(values))}), len(values))
+    needle, question, answer = rng.choice(templates)
+    lines = [needle.format(k=k, v=v) for k, v in zip(keys, values)]
+    text = _insert(context, lines, [rng.random() for _ in values])
+    i = rng.randrange(len(values))
+    return text, question.format(k=keys[i]), answer.format(k=keys[i], v=values[i])
+
+
+def _words(rng: random.Random, context: str, vocab: tuple[str, ...]) -> tuple[str, str, str]:
+    return _keyed(rng, context, _WORD_TEMPLATES, rng.sample(vocab, rng.randint(1, 4)))
+
+
+def _uuid(rng: random.Random, context: str, vocab: tuple[str, ...]) -> tuple[str, str, str]:
+    values = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(rng.randint(1, 3))]
+    return _keyed(rng, context, _UUID_TEMPLATES, values)
+
+
+def _pairs(rng: random.Random, context: str, vocab: tuple[str, ...]) -> tuple[str, str, str]:
+    n = rng.randint(3, 6)
+    keys = rng.sample(sorted({_train_key(rng) for _ in range(4 * n)}), n)
+    vals = [_digits(rng, rng.randint(3, 7)) for _ in range(n)]
+    needle, question, answer = rng.choice(_PAIR_TEMPLATES)
+    text = _insert(context, [needle.format(k=k, v=v) for k, v in zip(keys, vals)],
+                   [rng.random() for _ in range(n)])
+    i, j = sorted(rng.sample(range(n), 2))
+    return (text, question.format(k1=keys[i], k2=keys[j]),
+            answer.format(k1=keys[i], v1=vals[i], k2=keys[j], v2=vals[j]))
+
+
+def _tally(rng: random.Random, context: str, vocab: tuple[str, ...]) -> tuple[str, str, str]:
+    intro, question, answer = rng.choice(_TALLY_TEMPLATES)
+    if intro.startswith("Cipher"):  # made-up tokens
+        pool = ["".join(rng.choice("bcdfghjklmnpqrstvwxz") + rng.choice("aeiouy")
+                        for _ in range(rng.randint(2, 3))) for _ in range(30)]
+        pool = sorted(set(pool))
+    else:
+        pool = rng.sample(vocab, 30)
+    top = rng.sample(pool, 3)
+    items = [w for k, w in enumerate(top) for _ in range(12 - 3 * k)]  # 12, 9, 6 times
+    items += [w for w in rng.sample([p for p in pool if p not in top], 20) for _ in range(rng.randint(1, 3))]
+    rng.shuffle(items)
+    text = _insert(context, [f"{intro} {' '.join(items)}"], [rng.random()])
+    return text, question, answer.format(words=", ".join(top))
+
+
+def _quote(rng: random.Random, context: str, vocab: tuple[str, ...]) -> tuple[str, str, str]:
+    sentences = [  # hard-wrapped lines are fine; blank lines, tables and code are not
+        s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", context)
+        if 10 <= len(s.split()) <= 40 and s.endswith(".") and "\n\n" not in s
+        and not re.search(r"[|=<>{}\[\]]|\.\.\.|  ", s.replace("\n", " "))
+    ]
+    if not sentences:  # a window of code or tables: fall back to a pass key
+        return _passkey(rng, context)
+    sentence = rng.choice(sentences)
+    words = sentence.split()
+    cue = " ".join(words[:6])
+    question, mode = rng.choice(_QUOTE_TEMPLATES)
+    return context, question.format(cue=cue), sentence if mode == "all" else " ".join(words[6:])
+
+
 _MAKERS = {"passkey": _passkey, "kv": _kv, "vars": _vars}
+_VOCAB_MAKERS = {"words": _words, "uuid": _uuid, "pairs": _pairs, "tally": _tally, "quote": _quote}
+
 
 
 def synthetic_samples(cfg: BuildConfig, prose: list[str]) -> list[dict]:
@@ -203,10 +330,15 @@ def synthetic_samples(cfg: BuildConfig, prose: list[str]) -> list[dict]:
     if not prose or cfg.synthetic == 0:
         return []
     rng = random.Random(cfg.seed + 1)
+    vocab = _vocabulary(tuple(prose))
     out = []
     for _ in range(cfg.synthetic):
         kind = rng.choice(cfg.kinds)
-        body, question, answer = _MAKERS[kind](rng, _window(rng, prose, cfg.context_chars))
+        window = _window(rng, prose, cfg.context_chars)
+        if kind in _MAKERS:
+            body, question, answer = _MAKERS[kind](rng, window)
+        else:
+            body, question, answer = _VOCAB_MAKERS[kind](rng, window, vocab)
         text = f"{body}\n\nQuestion: {question}\nAnswer: {answer}"
         out.append({"text": text, "source": f"synthetic:{kind}", "answer": answer})
     return out

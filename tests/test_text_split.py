@@ -112,3 +112,53 @@ def test_task_contexts_share_no_64_char_span_with_training(seed, train_windows):
             s = make_sample(task, codec, 4096, index, seed=seed)
             hits = shared_windows(s.context, train_windows)
             assert not hits, (task, index, hits)
+
+
+def _pieces(template: str) -> list[str]:
+    """The fixed text of a template: the stretches between its {placeholders}."""
+    return [p.strip() for p in re.split(r"\{[a-z0-9_]*\}", template) if p.strip()]
+
+
+def _word_grams(template: str, n: int = 4) -> set[tuple[str, ...]]:
+    grams = set()
+    for piece in _pieces(template):
+        words = re.findall(r"[a-z']+", piece.lower())
+        grams |= {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+    return grams
+
+
+def test_training_needles_share_no_template_with_the_evaluation():
+    """No fixed stretch of a training needle or question wording (>= 12 characters) occurs in an
+    evaluation wording or the other way round, and the two share no run of four words."""
+    from data.build import TEMPLATES as TRAIN
+
+    from sparsekv.evaluation.tasks import TEMPLATES as EVAL
+
+    assert len(TRAIN) >= 30 and len(EVAL) >= 30
+    eval_text, train_text = "\n".join(EVAL).lower(), "\n".join(TRAIN).lower()
+    for mine, other in ((TRAIN, eval_text), (EVAL, train_text)):
+        for t in mine:
+            for piece in _pieces(t):
+                assert len(piece) < 12 or piece.lower() not in other, (t, piece)
+    train_grams = set().union(*map(_word_grams, TRAIN))
+    shared = [(t, g) for t in EVAL for g in _word_grams(t) if g in train_grams]
+    assert not shared, shared[:5]
+    # The checks can fail: a wording copied across the split is caught.
+    assert _word_grams(EVAL[0]) & set().union(*map(_word_grams, EVAL))
+
+
+def test_training_synthetic_kinds_cover_the_evaluation_value_types():
+    from data.build import BuildConfig, collect_prose, synthetic_samples
+
+    cfg = BuildConfig(max_prose_chars=200_000, synthetic=80)
+    records = synthetic_samples(cfg, [r["text"] for r in collect_prose(cfg)])
+    kinds = {r["source"] for r in records}
+    assert kinds == {f"synthetic:{k}" for k in cfg.kinds}
+    uuid_re = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+    for r in records:
+        body, qa = r["text"].rsplit("\n\nQuestion: ", 1)
+        assert qa.split("\nAnswer: ", 1)[1] == r["answer"]
+        if r["source"] == "synthetic:uuid":
+            assert uuid_re.search(r["answer"]).group(0) in body
+        if r["source"] == "synthetic:words":
+            assert r["answer"].rstrip(".").split()[-1].strip("'") in body
