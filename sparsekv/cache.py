@@ -85,6 +85,9 @@ class _Shared:
         # attention inputs of the first budgeted layer for the tokens of the current step, for
         # policies that score every budgeted layer from them (`Policy.hidden_from_first`)
         self.first_hidden: torch.Tensor | None = None
+        # single-token steps are checked for padding while tokens_seen <= this (a prompt chunked
+        # one token at a time, where the mask is known); decode steps never are (no host sync)
+        self.padding_check_until = 0
         self.model: Any = None  # weak reference to the model, handed to policies in ScoreContext
         self.repeat: Any = None  # the active `repeat_pass` collector while a repeat forward runs
 
@@ -222,8 +225,9 @@ class EvictingLayer(DynamicLayer):
     def note_padding(self, padding: torch.Tensor | None) -> None:
         """Mark the new entries that are padding (`padding`: `(batch, seen)` bool, True = real)."""
         # Decode steps append real tokens (generate extends the mask with ones); checking them
-        # would cost a host sync per layer and step, so only multi-token steps are inspected.
-        if padding is None or self.num_new == 1:
+        # would cost a host sync per layer and step, so only multi-token steps are inspected,
+        # and the single-token chunks of a prompt that `prefill_chunk` splits (marked there).
+        if padding is None or (self.num_new == 1 and self.seen > self.shared.padding_check_until):
             return
         padding = padding.to(self.device, torch.bool)
         if padding.all():  # the one host sync of a prefill step
@@ -690,6 +694,8 @@ def _chunk_prefill(ref):
         seen = cache.tokens_seen()
         mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
         last = n - ((n - 1) % chunk + 1)  # start of the final chunk
+        if mask is not None:  # chunks may be single tokens: have the layers check them all
+            cache.shared.padding_check_until = seen + n
         cache._in_chunked_prefill = True
         try:
             with torch.no_grad():

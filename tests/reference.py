@@ -82,3 +82,33 @@ def masked_reference(model, ids, steps, snaps, layers, attention_mask=None):
     finally:
         model.set_attn_implementation(previous)
         _MASKS.clear()
+
+
+def run_prefill_chunked(model, cache, ids, decode=0, attention_mask=None):
+    """Feed the first `n - decode` tokens of `ids` in ONE call, which the cache (built with
+    `prefill_chunk=`) splits into chunks itself, then `decode` single tokens. Returns the last
+    logits of every forward the model ran (inner chunks included), the kept positions after
+    each, and the step sizes, in the form `masked_reference` takes."""
+    logits, snaps, steps = [], [], []
+    done = [0]
+
+    def after_forward(module, args, kwargs, out):
+        ids_in = kwargs.get("input_ids", args[0] if args else None)
+        steps.append(ids_in.shape[1])
+        logits.append(out.logits[:, -1:])
+        snaps.append({i: cache.layers[i].positions.clone() for i in cache.budgeted_layers})
+        done[0] += ids_in.shape[1]
+
+    hook = model.register_forward_hook(after_forward, with_kwargs=True)
+    try:
+        n = ids.shape[1] - decode
+        with torch.no_grad():
+            model(input_ids=ids[:, :n], cache=cache, use_cache=True,
+                  attention_mask=None if attention_mask is None else attention_mask[:, :n])
+            for e in range(n + 1, ids.shape[1] + 1):
+                model(input_ids=ids[:, e - 1 : e], cache=cache, use_cache=True,
+                      attention_mask=None if attention_mask is None else attention_mask[:, :e])
+    finally:
+        hook.remove()
+    assert done[0] == ids.shape[1] and sum(steps) == ids.shape[1]
+    return logits, snaps, steps

@@ -7,11 +7,27 @@ import torch
 from conftest import FAMILIES, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import masked_reference, run_sparse
+from reference import masked_reference, run_prefill_chunked, run_sparse
 
 from sparsekv import EvictionConfig, SparseKVCache, policies
 
 HEURISTICS = [p for p in policies.available() if p != "learned"]
+LEARNED = ["learned", "learned+blend"]
+"""The learned policy on a freshly initialized (random) adapter: the head alone, and blended
+with observed attention (which makes the cache track attention at prefill and re-ranks)."""
+
+
+def _policy(name: str, model):
+    """A policy by name; the learned variants get a fresh random adapter for `model`, KVzip a
+    character-level encoder for its repeat prompt (the tiny models have 128 ids)."""
+    if name == "kvzip":
+        return policies.get("kvzip", encode=lambda text: [3 + ord(c) % 120 for c in text])
+    if name not in LEARNED:
+        return name
+    from sparsekv.adapter import ScorerAdapter
+
+    adapter = ScorerAdapter.for_model(model)
+    return adapter.policy(blend=0.5, kernel_size=3) if name == "learned+blend" else adapter.policy()
 
 
 def _ids(b=1, n=40, seed=0):
@@ -35,8 +51,8 @@ def test_full_budget_generates_like_dynamic_cache(family, impl):
     for ids, mask in [(_ids(), None), _left_padded()]:
         kw = {} if mask is None else {"attention_mask": mask}
         ref = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
-        for name in HEURISTICS:
-            cache = SparseKVCache(model, EvictionConfig(budget=1.0, rerank_every=2), name)
+        for name in HEURISTICS + LEARNED:
+            cache = SparseKVCache(model, EvictionConfig(budget=1.0, rerank_every=2), _policy(name, model))
             out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
             assert torch.equal(out, ref), (family, impl, name)
 
@@ -62,13 +78,13 @@ def _max_error(logits, ref, steps, mask=None):
     return err
 
 
-@pytest.mark.parametrize("name", ["h2o", "snapkv", "pyramidkv", "tova", "knorm", "random", "streaming"])
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "pyramidkv", "tova", "knorm", "random", "streaming", *LEARNED])
 def test_logits_equal_masked_full_attention(family, name):
     model = tiny_model(family)
     ids = _ids(2, 60)
     steps = [40] + [1] * 20
     cfg = EvictionConfig(budget=0.3, recent_window=4, sink_tokens=2, rerank_every=5, evict_slack=2)
-    cache = SparseKVCache(model, cfg, name)
+    cache = SparseKVCache(model, cfg, _policy(name, model))
     logits, snaps = run_sparse(model, cache, ids, steps)
     ref = masked_reference(model, ids, steps, snaps, cache.budgeted_layers)
     assert _max_error(logits, ref, steps) < 1e-4
@@ -92,6 +108,27 @@ def test_chunked_steps_and_left_padding_match_reference(impl):
         pos = cache.layers[i].positions
         real = (pos >= 0).sum(-1)
         assert (real == pos.shape[-1]).all() or (real == (mask.sum(-1)[:, None])).all()
+
+
+@pytest.mark.parametrize("name", ["h2o", "learned+blend"])
+@pytest.mark.parametrize("chunk", [1, 7])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_prefill_chunk_path_matches_masked_reference(chunk, padded, name):
+    """The cache chunking the prompt itself (`prefill_chunk=`), also one token at a time on a
+    left-padded batch, where padding must be marked although each step has one token."""
+    model = tiny_model("gemma3")
+    ids, mask = _left_padded(3, 30) if padded else (_ids(2, 30), None)
+    cfg = EvictionConfig(budget=0.4, recent_window=3, sink_tokens=2, rerank_every=2, evict_slack=1,
+                         prefill_chunk=chunk)
+    cache = SparseKVCache(model, cfg, _policy(name, model))
+    logits, snaps, steps = run_prefill_chunked(model, cache, ids, decode=4, attention_mask=mask)
+    assert len(steps) > 5 and steps[-4:] == [1, 1, 1, 1]
+    ref = masked_reference(model, ids, steps, snaps, cache.budgeted_layers, attention_mask=mask)
+    assert _max_error(logits, ref, steps, mask) < 1e-4
+    if padded:  # the padding of each row is marked, never kept in place of a real token
+        kept = cache.layers[3].positions
+        for row in (1, 2):
+            assert not ((kept[row] >= 0) & (kept[row] < 5 * row)).any()
 
 
 def test_kept_entries_are_exactly_the_top_scores():
@@ -207,7 +244,7 @@ def test_decode_is_incremental_with_slack_and_reranks():
 
 def test_unsupported_things_fail_loudly():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="unknown policy 'nope'; known policies: full, h2o"):
+    with pytest.raises(ValueError, match="unknown policy 'nope'; known policies: .*full, h2o"):
         SparseKVCache(model, EvictionConfig(budget=0.5), "nope")
     cache = SparseKVCache(model, EvictionConfig(budget=0.25, recent_window=2), "snapkv")
     model(input_ids=_ids(1, 64), cache=cache)
@@ -231,11 +268,59 @@ def test_unsupported_things_fail_loudly():
         ({"budget": 0.3, "prefill_chunk": 0}, "prefill_chunk"),
         ({"budget": 0.3, "quantize": "int4"}, "quantize"),
         ({"budget": 0.3, "pyramid_slope": 1.0}, "pyramid_slope"),
+        ({"budget": 0.3, "schedule": [True, True]}, "schedule"),
+        ({"budget": 0.3, "pyramid_slope": True}, "pyramid_slope"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EvictionConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, words",
+    [
+        ("snapkv", {"window": 2.5}, "window=2.5 must be an int >= 1"),
+        ("pyramidkv", {"window": True}, "window=True must be an int"),
+        ("snapkv", {"kernel_size": 4}, "kernel_size=4 must be an odd int"),
+        ("random", {"seed": "x"}, "seed='x' must be an int"),
+        ("random", {"seed": 1.5}, "seed=1.5 must be an int"),
+        ("learned", {"adapter": None}, "adapter=None must be a ScorerAdapter, an adapter folder"),
+        ("learned", {"adapter": 3}, "adapter=3 must be"),
+        ("learned", {"adapter": ""}, "adapter='' must name"),
+        ("h2o", {"window": 3}, r"policy 'h2o' takes no argument\(s\) \['window'\]; allowed: none"),
+        ("snapkv", {"windw": 3}, r"\['windw'\]; allowed: window, kernel_size"),
+    ],
+)
+def test_policy_arguments_are_checked_naming_the_argument(name, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        policies.get(name, **kwargs)
+
+
+def _valid_arguments(name: str) -> dict:
+    from sparsekv.adapter import ScorerAdapter
+
+    if name == "learned":
+        return {"adapter": ScorerAdapter.for_model(tiny_model("llama"))}
+    if name == "kvzip":
+        return {"encode": lambda text: [3] * len(text)}
+    return {}
+
+
+@pytest.mark.parametrize("name", policies.available())
+def test_every_policy_argument_refuses_a_wrong_type(name):
+    """Every keyword of every registered policy: an object of no expected type is a ValueError
+    that names the argument (in `policies.get`, not later in a forward)."""
+    import inspect
+
+    from sparsekv.policies.base import _REGISTRY
+
+    base = _valid_arguments(name)
+    policies.get(name, **base)  # the valid arguments build it
+    params = [p for p in inspect.signature(_REGISTRY[name]).parameters if p not in ("self",)]
+    for arg in params:
+        with pytest.raises(ValueError, match=f"{arg}="):
+            policies.get(name, **{**base, arg: object()})
 
 
 def test_explicit_schedule_length_is_checked():
@@ -374,9 +459,9 @@ def test_fork_from_recorded_prefill_equals_live_prefill(fam):
     for name, kw in candidates:
         for quantize in (None, "int8"):
             cfg = EvictionConfig(budget=0.3, schedule="pyramid", recent_window=4, sink_tokens=2, quantize=quantize)
-            live = SparseKVCache(model, cfg, policies.get(name, **kw))
+            live = SparseKVCache(model, cfg, policies.get(name, **kw) if kw else _policy(name, model))
             model(input_ids=ids, attention_mask=mask, cache=live)
-            forked = base.fork(cfg, policies.get(name, **kw))
+            forked = base.fork(cfg, policies.get(name, **kw) if kw else _policy(name, model))
             for i in live.budgeted_layers:
                 a, b = live.layers[i], forked.layers[i]
                 assert torch.equal(a.positions, b.positions), (name, i)
