@@ -11,8 +11,10 @@ the per-layer-target ablation (`target.cross_layer=per_layer`) into `checkpoints
 Both resume if interrupted (`resume=auto`). Stage 2 runs `configs/eval/learned-4k.yaml` with
 the shipped adapter paths replaced by the new ones (the config used is written next to the
 results as `pipeline-eval.yaml`), which writes results.jsonl, summary.csv, summary.md and the
-PNG plots into `--out`. Each stage shows a progress bar with an ETA; the estimate printed first
-comes from the timings measured on 2 CPU cores and recorded in the two config files.
+PNG plots into `--out` (without `--resume` the grid reruns with `--overwrite`: its rows in
+`--out` are replaced, any other rows there kept). Each stage shows a progress bar with an ETA;
+the estimate printed first comes from the timings measured on 2 CPU cores and recorded in the
+two config files.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=2, help="samples per task for the evaluation")
     p.add_argument("--out", default="results/default-pipeline", help="evaluation output folder")
     p.add_argument("--skip-train", action="store_true", help="evaluate the shipped adapters instead")
-    p.add_argument("--resume", action="store_true", help="keep the finished groups already in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished rows already in --out and run only the missing ones (without it, "
+                        "the grid reruns and replaces its own rows in --out; other rows there are kept)")
     args = p.parse_args(argv)
     if args.samples < 1:
         raise SystemExit(f"--samples={args.samples}: must be >= 1")
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg_path = out / "pipeline-eval.yaml"
     cfg_path.write_text(yaml.safe_dump(eval_config(adapter, perlayer, args.samples, args.out), sort_keys=False))
     run([[sys.executable, "-m", "sparsekv.cli", "eval", "--config", str(cfg_path),
-          *(["--resume"] if args.resume else [])]])
+          "--resume" if args.resume else "--overwrite"]])
     print(f"done in {(time.perf_counter() - t0) / 60:.1f} min: table {args.out}/summary.md, "
           f"plots {args.out}/*.png, rows {args.out}/results.jsonl", flush=True)
     return 0

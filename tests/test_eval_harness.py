@@ -222,13 +222,13 @@ def test_policy_spec_syntax():
     cfg = EvalConfig(model="tiny:llama", policies=["snapkv", "h2o@rerank_every=4@budgets=0.3@label=h2o-r4"],
                      budgets=[0.1, 0.3], tasks=["passkey"], protocols=["agnostic"], samples=1)
     assert [cfg.budgets_of(p) for p in cfg.policy_specs] == [[0.1, 0.3], [0.3]]
-    from sparsekv.evaluation.runner import _method_keys
+    from sparsekv.evaluation.plan import method_keys
 
-    assert _method_keys(cfg, "agnostic") == {("full", "1.0"), ("snapkv", "0.1"), ("snapkv", "0.3"), ("h2o-r4", "0.3")}
+    assert method_keys(cfg, "agnostic") == {("full", "1.0"), ("snapkv", "0.1"), ("snapkv", "0.3"), ("h2o-r4", "0.3")}
 
 
 def test_per_method_protocols_parse_and_share_a_label_across_protocols():
-    from sparsekv.evaluation.runner import _method_keys, grid_size
+    from sparsekv.evaluation.plan import grid_size, method_keys
 
     assert parse_policy("snapkv@protocols=aware").protocols == ("aware",)
     assert parse_policy({"policy": "h2o", "protocols": ["agnostic", "aware"]}).protocols == ("agnostic", "aware")
@@ -238,7 +238,7 @@ def test_per_method_protocols_parse_and_share_a_label_across_protocols():
     # one label, one method per protocol
     both = ["snapkv@window=8@protocols=agnostic@label=s", "snapkv@window=16@protocols=aware@label=s", "h2o"]
     cfg = EvalConfig(model="tiny:llama", policies=both, budgets=[0.3], tasks=["passkey", "ppl"], samples=1)
-    assert _method_keys(cfg, "agnostic") == _method_keys(cfg, "aware") == {("full", "1.0"), ("s", "0.3"), ("h2o", "0.3")}
+    assert method_keys(cfg, "agnostic") == method_keys(cfg, "aware") == {("full", "1.0"), ("s", "0.3"), ("h2o", "0.3")}
     assert [cfg.budgets_of(p, "aware") for p in cfg.policy_specs] == [[], [0.3], [0.3]]
     with pytest.raises(ValueError, match="unique within a protocol.*under aware"):
         EvalConfig(model="tiny:llama", policies=["snapkv@label=s", "h2o@protocols=aware@label=s"])
@@ -337,15 +337,16 @@ def test_two_workers_give_the_rows_of_one(run_dir, tmp_path):
     assert yaml.safe_load((out / "config.yaml").read_text())["workers"] == 2
 
 
-def test_resume_keeps_complete_groups_and_reruns_the_rest(run_dir, tmp_path, capsys):
+def test_resume_keeps_every_finished_row_and_runs_only_the_missing_ones(run_dir, tmp_path, capsys):
     out = tmp_path / "res"
     small = [a if a != "2" else "1" for a in GRID]  # --samples 1
     assert main(["eval", *small, "--out", str(out)]) == 0
     first = {_key(r): r for r in _rows(out)}
-    # an interrupted later run left a part file with one incomplete group (a reference row only)
+    # an interrupted later run left a part file with one unfinished group (its reference row only)
     stray = dict(next(r for r in _rows(run_dir) if r["sample_id"].endswith("-1") and r["policy"] == "full"))
     stray["prefill_s"] = -1.0
     (out / "results.part-0.jsonl").write_text(json.dumps(stray) + "\n")
+    first[_key(stray)] = stray
     assert main(["eval", *GRID, "--resume", "--out", str(out)]) == 0
     rows = _rows(out)
     assert sorted(map(_key, rows)) == sorted(map(_key, _rows(run_dir)))  # complete, no duplicates
@@ -353,7 +354,7 @@ def test_resume_keeps_complete_groups_and_reruns_the_rest(run_dir, tmp_path, cap
         if _key(r) in first:  # kept as they were, timings included: not rerun
             assert r == first[_key(r)]
         else:
-            assert r["prefill_s"] > 0  # the stray incomplete group was rerun
+            assert r["prefill_s"] > 0
     assert not list(out.glob("results.part-*"))
     # a grid that changes what earlier rows mean refuses to resume, naming the field
     capsys.readouterr()
@@ -362,6 +363,7 @@ def test_resume_keeps_complete_groups_and_reruns_the_rest(run_dir, tmp_path, cap
     relabel = [a if a != "snapkv,h2o" else "snapkv@window=4@label=snapkv,h2o" for a in GRID]
     assert main(["eval", *relabel, "--resume", "--out", str(out)]) == 2
     assert "label 'snapkv' meant 'snapkv'" in capsys.readouterr().err
+    assert _rows(out) == rows
 
 
 def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
@@ -499,12 +501,12 @@ def test_report_only_folds_in_the_finished_groups_of_a_stopped_run(run_dir, tmp_
     kept = _rows(out)
     assert not list(out.glob("results.part-*")) and (out / "summary.md").is_file()
     assert "samples per task and length: 1-2 (the grid asks for 2: a stopped run" in (out / "summary.md").read_text()
-    assert sorted(map(_key, kept)) == sorted(map(_key, rows[:cut]))
+    assert sorted(map(_key, kept)) == sorted(map(_key, rows[: cut + 1]))  # every finished row, none dropped
 
 
 def test_kill_stops_the_workers_and_keeps_their_finished_groups(tmp_path):
-    """`kill PID` (SIGTERM) on a 2-worker grid: the workers stop, finished groups land in
-    results.jsonl, no part file is left, and --resume completes the grid."""
+    """`kill PID` (SIGTERM) on a 2-worker grid: the workers stop, every finished row lands in
+    results.jsonl, no part file is left, and --resume completes the grid without rerunning any."""
     import signal
     import subprocess
     import sys
@@ -520,8 +522,10 @@ def test_kill_stops_the_workers_and_keeps_their_finished_groups(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "stopped:" in err, err[-2000:]
-    assert not list(out.glob("results.part-*"))
-    kept = _rows(out)
-    assert kept and len(kept) % 3 == 0  # whole groups only (full + 2 policies each)
+    assert not list(out.glob("results.part-*")) and "rerun with --resume" in err
+    kept = {_key(r): r for r in _rows(out)}
+    assert len(kept) >= 12
     assert main(["eval", *argv, "--resume", "--out", str(out)]) == 0
-    assert len(_rows(out)) == 30 * (2 * 3 + 3)
+    rows = _rows(out)
+    assert len(rows) == len({_key(r) for r in rows}) == 30 * (2 * 3 + 3)
+    assert all(r == kept[_key(r)] for r in rows if _key(r) in kept)  # not rerun

@@ -6,7 +6,12 @@
     sparsekv eval --config configs/eval/default-4k.yaml --samples 5      # flags override the file
     sparsekv eval --adapter checkpoints/run/final --budget 0.3 --out results/y  # vs all baselines
     sparsekv eval --config configs/eval/default-4k.yaml --dump-prompts     # prompts only
+    sparsekv eval --config configs/eval/default-4k.yaml --resume         # continue, or grow the grid
     sparsekv eval --out results/x --ingest peer_rows.jsonl --source kvpress  # add a peer's rows
+
+Rows are never dropped: a run into a folder that holds rows needs --resume (keep them, run what is
+missing) or --overwrite (rerun the grid, replacing its rows only); a folder is locked while a run
+writes into it.
     sparsekv eval --list                                                    # tasks and policies
 """
 
@@ -51,7 +56,12 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads (per worker)")
     p.add_argument("--workers", type=int, help="processes sharing the grid (default 1; 2 uses both cores of a 2-core box)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the complete sample x protocol groups already in --out and run the rest")
+                   help="keep every row already in --out (whatever grid wrote it) and run only the runs "
+                        "this grid still misses; refuses if a label of the grid ran another spec or adapter there")
+    p.add_argument("--overwrite", action="store_true",
+                   help="rerun this grid into an --out that holds rows, each new row replacing the row of "
+                        "its slot (sample, protocol, label, budget); rows outside the grid are kept. With "
+                        "--resume: rerun only the missing runs and those another spec or adapter wrote")
     p.add_argument("--live-prefill", action="store_true",
                    help="prefill every run itself instead of forking one shared prefill per prompt "
                         "(true per-method prefill time and peak KV bytes; much slower)")
@@ -160,32 +170,36 @@ def run_eval_command(args: argparse.Namespace) -> int:
             n = runner.ingest_rows(out, args.ingest, source=args.source)
             print(f"added {n} rows from {args.ingest} to {out / 'results.jsonl'}")
         else:
+            from sparsekv.evaluation.folder import FolderLock
             from sparsekv.evaluation.report import write_reports
+            from sparsekv.evaluation.rows import merge_parts
 
-            kept, dropped = runner.merge_parts(out)
-            if kept or dropped:
-                print(f"merged the part files of a stopped run: {kept} finished groups kept, {dropped} unfinished dropped")
-            write_reports(out)
+            with FolderLock(out):
+                n = merge_parts(out)
+                if n:
+                    print(f"folded {n} finished rows of a stopped run into {out / 'results.jsonl'}")
+                write_reports(out)
         print(f"wrote {out / 'summary.md'}, {out / 'summary.csv'} and plots")
         return 0
     cfg = resolve_config(args)
     if cfg.out is None:
         raise ValueError("no output folder: give --out DIR (or out: in the config)")
     if args.dump_prompts:
-        import yaml
-
+        from sparsekv.evaluation.folder import FolderLock, write_config, write_prompts
         from sparsekv.evaluation.models import load_model
+        from sparsekv.evaluation.plan import build_samples
+        from sparsekv.evaluation.rows import count_rows
 
         out = Path(cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
         _, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
-        samples = runner.build_samples(cfg, codec)
-        runner.write_prompts(samples, cfg, out / "prompts.jsonl")
-        resolved = {**cfg.to_dict(), "policy_specs": [p.to_dict() for p in cfg.policy_specs]}
-        (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        samples = build_samples(cfg, codec)
+        with FolderLock(out):
+            write_prompts(samples, cfg, out / "prompts.jsonl", keep_others=True)
+            if not count_rows(out):  # a folder with rows keeps the config they were run with
+                write_config(out, cfg)
         print(f"wrote {len(samples)} prompts to {out / 'prompts.jsonl'}")
         return 0
-    out = runner.run_eval(cfg, progress=not args.no_progress, resume=args.resume)
+    out = runner.run_eval(cfg, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)
     print(f"results in {out}: results.jsonl, summary.csv, summary.md, quality_*.png, kl_*.png, config.yaml",
           file=sys.stderr)
     print((out / "summary.md").read_text())

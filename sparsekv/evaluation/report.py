@@ -36,6 +36,7 @@ import yaml
 
 from sparsekv.evaluation.config import REFERENCE, policy_name
 from sparsekv.evaluation.metrics import mean
+from sparsekv.evaluation.rows import read_rows
 from sparsekv.evaluation.tasks import TASKS
 
 SUMMARY_FIELDS = (
@@ -64,8 +65,30 @@ def _family(source: str, policy: str, spec: str | None) -> tuple[str, str]:
     return source, policy_name(spec) if spec else policy
 
 
+def label_adapters_apart(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of one label (per source and protocol) that ran more than one adapter (distinct
+    `adapter_hash`) are two methods: each gets its label suffixed with the hash's first 8
+    characters, `learned [1a2b3c4d]`. Rows without a hash (written before rows recorded it)
+    keep their label."""
+    hashes: dict[tuple, set] = {}
+    for r in rows:
+        if r.get("adapter_hash"):
+            hashes.setdefault((r.get("source") or "sparsekv", r["protocol"], r["policy"]), set()).add(r["adapter_hash"])
+    mixed = {k for k, v in hashes.items() if len(v) > 1}
+    if not mixed:
+        return rows
+    out = []
+    for r in rows:
+        if r.get("adapter_hash") and (r.get("source") or "sparsekv", r["protocol"], r["policy"]) in mixed:
+            r = {**r, "policy": f"{r['policy']} [{r['adapter_hash'][:8]}]"}
+        out.append(r)
+    return out
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One summary row per (source, task, length, protocol, policy, budget)."""
+    """One summary row per (source, task, length, protocol, policy, budget); a label that ran
+    several adapters is split first (`label_adapters_apart`)."""
+    rows = label_adapters_apart(rows)
     ref: dict[tuple, dict] = {}
     for r in rows:
         if r["policy"] == REFERENCE and r.get("source", "sparsekv") == "sparsekv":
@@ -322,7 +345,7 @@ def write_markdown(summary: list[dict[str, Any]], path: Path, config: dict[str, 
     parts = ["# Evaluation summary", ""]
     if config:
         env = config.get("environment", {})
-        have = sorted({s["n"] for s in summary if s["policy"] == REFERENCE and s["source"] == "sparsekv"})
+        have = sorted({s["n"] for s in summary if s["source"] == "sparsekv"})  # a stopped run: some fewer
         n = "-" if not have else str(have[0]) if len(have) == 1 else f"{have[0]}-{have[-1]}"
         planned = config.get("samples")
         n += "" if str(planned) == n else f" (the grid asks for {planned}: a stopped run, `--resume` continues it)"
@@ -466,8 +489,6 @@ def plot(summary: list[dict[str, Any]], out: Path) -> list[Path]:
 
 def write_reports(out: str | Path) -> dict[str, Any]:
     """Rewrite summary.csv, summary.md and the plots of an evaluation folder from its results."""
-    from sparsekv.evaluation.runner import read_rows
-
     out = Path(out)
     rows = read_rows(out / "results.jsonl")
     if not rows:

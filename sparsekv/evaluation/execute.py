@@ -1,0 +1,423 @@
+"""Running one (sample, protocol) group on one model: the full cache first (the reference), then
+every policy x budget the plan asks for, one result row each.
+
+Shared prefill (the default, `EvalConfig.shared_prefill`): the compressed part of each prompt is
+prefilled once by a full `SparseKVCache` that records the attention statistics the grid's
+policies read, and the reference and every policy x budget start from `fork` of it, which keeps
+exactly what that policy's own prefill would have kept (eviction happens after each layer's
+attention, so the prefill's outputs do not depend on the policy). The prefill forward then
+runs once per prompt instead of once per method. `prefill_s` of such rows is the shared
+forward (which computes the statistics of every policy) plus the method's own fork and question
+forward. Which methods fork is decided by `plan.plan_forks`; `shared_prefill: false` prefills
+every run live, with transformers' `DynamicCache` as the full-cache reference.
+
+How one run goes (batch 1, greedy, no sampling):
+- "answer" and "generate" samples: the prompt is prefilled with `logits_to_keep=1`; under the
+  agnostic protocol the context alone first (the cache compresses it), then the question through
+  the compressed cache; under the aware protocol context + question in one forward. Then
+  greedy decoding token by token up to `max_new_tokens` or an end-of-sequence token.
+- "continuation" samples: the context is prefilled (compressed), then the held-out continuation
+  is teacher-forced through the cache and scored position by position.
+
+KL divergence, KL(full || policy) in nats from the next-token distributions:
+- `kl`: at the first decoding step whose logits came from the compressed cache, i.e. step 0
+  under the agnostic protocol (the question's forward) and step 1 under the aware protocol or
+  without a question (step 0 comes from the prefill itself, which attends to everything before
+  the cache compresses); step 0 whenever the prompt is prefilled in chunks. It is computed only
+  while the policy's output so far equals the full cache's (same inputs), else NaN.
+- `kl_mean`: the mean over all such steps with a shared prefix (for continuation samples: over
+  every teacher-forced position, which always share their inputs).
+
+The row format is described in `rows.py`; learned policies' rows carry `adapter_hash`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sparsekv.evaluation import metrics as M
+from sparsekv.evaluation.codec import Codec
+from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec
+from sparsekv.evaluation.plan import REFERENCE_KEY, ForkPlan, plan_forks, prefill_chunk
+from sparsekv.evaluation.rows import ROW_FIELDS
+from sparsekv.evaluation.tasks import Sample
+
+NAN = float("nan")
+
+
+@dataclass
+class Reference:
+    """What the full cache produced for one sample and protocol: tokens and log-probabilities
+    per step `(steps, vocab)` (continuation: per teacher-forced position)."""
+
+    output_ids: list[int]
+    logprobs: torch.Tensor
+    score: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Runner:
+    """Executes single runs on one model. `run_reference` first, then `run_policy` per method."""
+
+    def __init__(self, model, codec: Codec, cfg: EvalConfig):
+        self.model = model
+        self.codec = codec
+        self.cfg = cfg
+        self.device = next(model.parameters()).device
+        self._adapters: dict[str, Any] = {}
+        self._hashes: dict[str, str] = {}
+
+    # ---- building ---------------------------------------------------------------------------
+    def build_policy(self, spec: PolicySpec):
+        from sparsekv import policies
+
+        path = self._adapter_path(spec)
+        if path is not None:
+            return policies.get("learned", adapter=self._adapter(path), **spec.policy_kwargs)
+        return policies.get(spec.name, **spec.policy_kwargs)
+
+    @staticmethod
+    def _adapter_path(spec: PolicySpec) -> str | None:
+        return spec.name.split(":", 1)[1] if spec.name.startswith("learned:") else None
+
+    def _adapter(self, path: str):
+        if path not in self._adapters:
+            from sparsekv.adapter import ScorerAdapter
+
+            self._adapters[path] = ScorerAdapter.from_pretrained(path)
+        return self._adapters[path]
+
+    def eviction_config(self, spec: PolicySpec, budget):
+        from sparsekv import EvictionConfig
+
+        return EvictionConfig(budget=budget, **{**self.cfg.eviction, **spec.eviction})
+
+    def _make_cache(self, spec: PolicySpec | None, budget):
+        if spec is None:
+            from transformers import DynamicCache
+
+            return DynamicCache(config=self.model.config)
+        from sparsekv import SparseKVCache
+
+        return SparseKVCache(
+            self.model, self.eviction_config(spec, budget), self.build_policy(spec)
+        )
+
+    # ---- planning -------------------------------------------------------------------------
+    def plan(self) -> ForkPlan:
+        """Build every policy of the grid once (an unloadable adapter fails here, before any
+        work), take each learned policy's adapter fingerprint (`hashes`, by spec text), and
+        decide which methods fork from the shared prefill (`plan.plan_forks`)."""
+        built = {}
+        for spec in self.cfg.policy_specs:
+            try:
+                built[spec.spec] = self.build_policy(spec)
+            except OSError as e:  # an adapter that is neither a folder nor a reachable Hub repo
+                raise ValueError(f"policy {spec.spec!r}: {e}") from e
+        self.hashes = {spec.spec: self.adapter_hash(spec) for spec in self.cfg.policy_specs}
+        self.forks = plan_forks(self.cfg, built)
+        return self.forks
+
+    def adapter_hash(self, spec: PolicySpec) -> str | None:
+        """`ScorerAdapter.fingerprint()` of a learned method's adapter (None for other policies)."""
+        path = self._adapter_path(spec)
+        if path is None:
+            return None
+        if path not in self._hashes:
+            self._hashes[path] = self._adapter(path).fingerprint()
+        return self._hashes[path]
+
+    # ---- model calls ------------------------------------------------------------------------
+    def _forward(self, ids: list[int], cache, keep: int) -> torch.Tensor:
+        t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=t, cache=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0].float()  # (keep or len(ids), vocab)
+
+    @staticmethod
+    def _split(sample: Sample, protocol: str) -> bool:
+        """True when only the context is compressed first (the question, or the continuation,
+        follows through the compressed cache)."""
+        return sample.kind == "continuation" or (
+            protocol == "agnostic" and bool(sample.question_ids)
+        )
+
+    @torch.no_grad()
+    def _prefill_shared(self, sample: Sample, protocol: str) -> _SharedPrefill:
+        """Prefill the compressed part of the prompt once, with the full cache recording what
+        every forkable policy needs."""
+        from sparsekv import EvictionConfig, SparseKVCache
+
+        ids = sample.context_ids if self._split(sample, protocol) else sample.prompt_ids
+        rec = SparseKVCache(
+            self.model,
+            EvictionConfig(budget=1.0),
+            "full",
+            record=self.forks.record,
+            record_window=self.forks.record_window,
+        )
+        with M.PeakRSS() as rss:
+            t0 = time.perf_counter()
+            logits = self._forward(ids, rec, 1)
+            seconds = time.perf_counter() - t0
+        return _SharedPrefill(rec, logits, seconds, rss.peak)
+
+    @torch.no_grad()
+    def _execute(
+        self, sample: Sample, protocol: str, start, chunk: int | None, shared: _SharedPrefill | None
+    ) -> dict[str, Any]:
+        """One run. `start()` returns a cache holding the compressed prefix: a fresh cache that
+        this function prefills (shared is None) or a fork of the shared prefill. Returns raw
+        outputs (token ids, step logits) and measurements."""
+        ctx, q = sample.context_ids, sample.question_ids
+        split = self._split(sample, protocol)
+        res: dict[str, Any] = {"prefill_shared": shared is not None}
+        with M.PeakRSS() as rss:
+            t0 = time.perf_counter()
+            cache = start()
+            if shared is None:
+                logits = self._forward(ctx if split else ctx + q, cache, 1)
+            else:
+                logits = shared.logits
+                res["fork_s"] = time.perf_counter() - t0
+            res["kv_bytes_compressed"] = M.kv_bytes(cache)
+            if split and q:
+                logits = self._forward(q, cache, 1)
+            res["prefill_s"] = (
+                time.perf_counter() - t0 + (shared.seconds if shared is not None else 0.0)
+            )
+            chunked = chunk is not None and len(ctx) + len(q) > chunk
+            res["first_compressed"] = 0 if (split or chunked) else 1
+            t1 = time.perf_counter()
+            if sample.kind == "continuation":
+                tgt = sample.target_ids[:-1]
+                step = chunk or len(tgt)
+                parts = [
+                    self._forward(tgt[i : i + step], cache, 0) for i in range(0, len(tgt), step)
+                ]
+                res["step_logits"] = torch.cat(parts, 0)  # (K-1, vocab) predicting target[1:]
+                res["output_ids"] = []
+            else:
+                steps = [logits[-1]]
+                out = [int(logits[-1].argmax())]
+                one_line = sample.kind == "answer"
+                while len(out) < sample.max_new_tokens and out[-1] not in self.codec.eos_ids:
+                    if one_line and M.answer_complete(self.codec.decode(out)):
+                        break  # only the first line is scored
+                    logits = self._forward([out[-1]], cache, 1)
+                    steps.append(logits[-1])
+                    out.append(int(logits[-1].argmax()))
+                res["step_logits"] = torch.stack(steps)
+                res["output_ids"] = out
+            res["decode_s"] = time.perf_counter() - t1
+            res["kv_bytes_end"] = M.kv_bytes(cache)
+            if shared is None:  # a fork never held the whole prefix itself
+                peak = cache.peak_kv_bytes() if hasattr(cache, "peak_kv_bytes") else 0
+                res["kv_bytes_peak"] = int(
+                    max(peak, res["kv_bytes_compressed"], res["kv_bytes_end"])
+                )
+            if hasattr(cache, "close"):
+                cache.close()
+        peak = max(rss.peak, shared.peak_rss if shared is not None else 0)
+        res["peak_rss_mb"] = peak / 2**20
+        return res
+
+    def _row(
+        self,
+        sample: Sample,
+        protocol: str,
+        label: str,
+        spec_text: str,
+        budget,
+        spec: PolicySpec | None = None,
+    ) -> dict[str, Any]:
+        row = {k: None for k in ROW_FIELDS}
+        row.update(
+            source="sparsekv",
+            sample_id=sample.sample_id,
+            task=sample.task,
+            length=sample.metadata["target_length"],
+            n_tokens=sample.metadata["n_tokens"],
+            protocol=protocol,
+            policy=label,
+            policy_spec=spec_text,
+            budget=budget,
+            answer=sample.answer,
+            depth=sample.metadata.get("depth"),
+        )
+        if spec is not None:
+            row["adapter_hash"] = self.adapter_hash(spec)
+        return row
+
+    def _fill(
+        self, row: dict, sample: Sample, res: dict, ref: Reference | None
+    ) -> tuple[dict, torch.Tensor]:
+        """Turn raw outputs into metrics; returns the row and the log-probabilities."""
+        lp = torch.log_softmax(res["step_logits"], dim=-1)
+        row.update(
+            kv_bytes_compressed=res["kv_bytes_compressed"],
+            kv_bytes_end=res["kv_bytes_end"],
+            kv_bytes_peak=res.get("kv_bytes_peak"),
+            peak_rss_mb=round(res["peak_rss_mb"], 1),
+            prefill_s=round(res["prefill_s"], 4),
+            decode_s=round(res["decode_s"], 4),
+            prefill_shared=res["prefill_shared"],
+            fork_s=round(res["fork_s"], 4) if "fork_s" in res else None,
+        )
+        if sample.kind == "continuation":
+            tgt = torch.tensor(sample.target_ids[1:], device=lp.device)
+            nll = -lp.gather(-1, tgt[:, None])[:, 0]
+            row["nll"] = float(nll.mean())
+            row["ppl"] = math.exp(row["nll"])
+            row["top1"] = float((lp.argmax(-1) == tgt).float().mean())
+            row["score"] = row["top1"]
+            row["output"] = ""
+            row["output_ids"] = []
+            if ref is not None:
+                kl = M.kl_divergence(ref.logprobs, lp)
+                row["kl_mean"] = float(kl.mean())
+                row["kl"] = row["kl_mean"]
+            return row, lp
+        out = res["output_ids"]
+        n = len(out)
+        row["output_ids"] = out
+        row["output"] = self.codec.decode(out)
+        row["new_tokens"] = n
+        row["decode_tok_s"] = (
+            round((n - 1) / res["decode_s"], 2) if n > 1 and res["decode_s"] > 0 else None
+        )
+        row["repetition"] = M.repetition_rate(out)
+        if sample.kind == "answer":
+            row["score"] = M.score_answer(row["output"], sample.answer)
+        if ref is not None:
+            agree, prefix = M.token_agreement(ref.output_ids, out)
+            row["agreement"], row["prefix_match"] = agree, prefix
+            if sample.kind == "generate":
+                row["score"] = agree
+            first = res["first_compressed"]
+            valid = [t for t in range(first, min(len(ref.logprobs), len(lp))) if t <= prefix]
+            if valid:
+                kls = M.kl_divergence(ref.logprobs[valid], lp[valid])
+                row["kl_mean"] = float(kls.mean())
+                row["kl"] = float(kls[0]) if valid[0] == first else NAN
+            else:
+                row["kl"] = row["kl_mean"] = NAN
+        return row, lp
+
+    # ---- public -----------------------------------------------------------------------------
+    def run_group(self, sample: Sample, protocol: str, skip: frozenset = frozenset()):
+        """Yield the rows of one sample under one protocol: the full cache first, then every
+        policy x budget, leaving out the method keys (label, budget) in `skip` (rows a resume
+        keeps; the reference still runs for the others' KL, its row is yielded only when it is
+        not in `skip`). With `shared_prefill` the compressed part of the prompt is prefilled
+        once (recording the attention statistics the policies read) and each method starts
+        from `SparseKVCache.fork` of it: the same kept entries as its own prefill, without
+        repeating the forward. Methods that cannot fork prefill live."""
+        from sparsekv import EvictionConfig
+
+        if not hasattr(self, "forks"):
+            self.plan()
+        runs = [
+            (spec, budget)
+            for spec in self.cfg.policy_specs
+            for budget in self.cfg.budgets_of(spec, protocol)
+            if (spec.label, str(budget)) not in skip
+        ]
+        if not runs and REFERENCE_KEY in skip:
+            return
+        forkable = self.forks.forkable
+        # the reference row comes from the shared prefill whenever the grid has one (as in a
+        # fresh run); a reference needed only for KL is taken the cheapest way
+        wanted = any(forkable[s.spec] for s, _ in runs) or (
+            REFERENCE_KEY not in skip and any(forkable.values())
+        )
+        shared = self._prefill_shared(sample, protocol) if wanted else None
+        try:
+            if shared is not None:
+                row, ref = self.run_reference(
+                    sample,
+                    protocol,
+                    lambda: shared.cache.fork(EvictionConfig(budget=1.0), "full"),
+                    shared,
+                )
+            else:
+                row, ref = self.run_reference(sample, protocol)
+            if REFERENCE_KEY not in skip:
+                yield row
+            for spec, budget in runs:
+                yield self.run_policy(
+                    sample, protocol, spec, budget, ref, shared if forkable[spec.spec] else None
+                )
+        finally:
+            if shared is not None:
+                shared.cache.close()
+
+    def run_reference(
+        self, sample: Sample, protocol: str, start=None, shared: _SharedPrefill | None = None
+    ) -> tuple[dict[str, Any], Reference]:
+        """The full cache: transformers' DynamicCache prefilled live, or the full-policy fork of
+        a shared prefill. Returns the row and what later runs compare with."""
+        res = self._execute(
+            sample, protocol, start or (lambda: self._make_cache(None, None)), None, shared
+        )
+        row = self._row(sample, protocol, REFERENCE, REFERENCE, 1.0)
+        row, lp = self._fill(row, sample, res, None)
+        if sample.kind != "continuation":
+            row["agreement"], row["prefix_match"] = 1.0, len(res["output_ids"])
+            if sample.kind == "generate":
+                row["score"] = 1.0
+        row["kl"] = row["kl_mean"] = 0.0
+        return row, Reference(res["output_ids"], lp, row["score"])
+
+    def run_policy(
+        self,
+        sample: Sample,
+        protocol: str,
+        spec: PolicySpec,
+        budget,
+        ref: Reference,
+        shared: _SharedPrefill | None = None,
+    ) -> dict[str, Any]:
+        """One policy at one budget; a crash becomes a row with `error` set and score 0."""
+        row = self._row(sample, protocol, spec.label, spec.spec, budget, spec)
+        try:
+            if shared is not None:
+
+                def start():
+                    return shared.cache.fork(
+                        self.eviction_config(spec, budget), self.build_policy(spec)
+                    )
+            else:
+
+                def start():
+                    return self._make_cache(spec, budget)
+
+            res = self._execute(sample, protocol, start, prefill_chunk(self.cfg, spec), shared)
+            row, _ = self._fill(row, sample, res, ref)
+        except Exception as e:  # a crashing method is a measured miss, not a stop
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["score"] = 0.0
+            row["kl"] = row["kl_mean"] = NAN
+            tb = traceback.format_exc(limit=3)
+            print(
+                f"\n[sparsekv eval] {spec.label} @ {budget} on {sample.sample_id} failed:\n{tb}",
+                file=sys.stderr,
+            )
+        return row
+
+
+@dataclass
+class _SharedPrefill:
+    """One recorded full-cache prefill: the cache, the last logits `(1, vocab)`, its seconds and
+    the process's peak resident memory during it (bytes)."""
+
+    cache: Any
+    logits: torch.Tensor
+    seconds: float
+    peak_rss: int

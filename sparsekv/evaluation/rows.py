@@ -1,0 +1,310 @@
+"""The row store of an evaluation folder: reading, writing and merging `results.jsonl` and the
+part files a run appends to, what a resume keeps, and rows ingested from peers.
+
+Rows are never dropped. Each row fills one slot, `(source, sample_id, protocol, policy label,
+budget)`; a new row replaces an old one only in the same slot (a rerun under `--overwrite`, or a
+peer's rows ingested again), every other row stays. A run appends its rows to
+`results.part-<k>.jsonl` as they finish; they are folded into results.jsonl (atomically: a temporary
+file and a rename) when the run ends, when it is stopped, and before the next run starts. A torn
+last line (a process killed mid-write) is dropped with a warning; damage elsewhere is an error
+naming the file and line.
+
+Row format (also what peers such as kvpress write; see `ingest`): `sample_id`, `task`,
+`length`, `protocol`, `policy` (label), `budget` (1.0 for the reference), `source`
+("sparsekv" or the peer's name), `output` (generated text), `score`, `kl`, `kl_mean`,
+`kv_bytes_compressed`, `kv_bytes_end`, `peak_rss_mb`, `prefill_s`, `decode_tok_s`,
+`error` (None, or the error text of a run that crashed: it counts as a miss), `adapter_hash`
+(learned policies: `ScorerAdapter.fingerprint()` of the adapter that ran), plus the per-task
+extras listed in `ROW_FIELDS`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparsekv.evaluation import metrics as M
+from sparsekv.evaluation.config import REFERENCE, EvalConfig
+from sparsekv.evaluation.folder import read_prompts
+from sparsekv.evaluation.tasks import get_task
+
+ROW_FIELDS = (
+    "source",
+    "sample_id",
+    "task",
+    "length",
+    "n_tokens",
+    "protocol",
+    "policy",
+    "policy_spec",
+    "budget",
+    "answer",
+    "output",
+    "output_ids",
+    "score",
+    "kl",
+    "kl_mean",
+    "nll",
+    "ppl",
+    "top1",
+    "agreement",
+    "prefix_match",
+    "repetition",
+    "kv_bytes_compressed",
+    "kv_bytes_end",
+    "peak_rss_mb",
+    "prefill_s",
+    "decode_s",
+    "decode_tok_s",
+    "new_tokens",
+    "depth",
+    "error",
+    "kv_bytes_peak",
+    "prefill_shared",
+    "fork_s",
+    "adapter_hash",
+)
+REQUIRED_PEER_FIELDS = ("sample_id", "task", "length", "protocol", "policy", "budget")
+RESULTS = "results.jsonl"
+PART_GLOB = "results.part-*.jsonl"
+
+
+def slot(row: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    """The slot a row fills: (source, sample_id, protocol, policy label, budget as text)."""
+    return (
+        row.get("source") or "sparsekv",
+        row["sample_id"],
+        row["protocol"],
+        row["policy"],
+        str(row["budget"]),
+    )
+
+
+def part_path(out: Path, k: int) -> Path:
+    return Path(out) / f"results.part-{k}.jsonl"
+
+
+def part_files(out: Path) -> list[Path]:
+    return sorted(Path(out).glob(PART_GLOB))
+
+
+# ---- reading and writing ------------------------------------------------------------------
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file. A last line that does not parse (a write cut short by a
+    kill) is dropped with a warning; a bad line before it raises ValueError naming it."""
+    path = Path(path)
+    lines = path.read_bytes().split(b"\n")
+    numbered = [(i, ln) for i, ln in enumerate(lines, 1) if ln.strip()]
+    rows = []
+    for j, (i, line) in enumerate(numbered):
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            row = e
+        if not isinstance(row, dict):
+            if j == len(numbered) - 1:
+                print(
+                    f"[sparsekv eval] {path}:{i}: dropped a torn last line ({len(line)} bytes, a write cut "
+                    f"short by a stop); the {len(rows)} rows before it are kept",
+                    file=sys.stderr,
+                )
+                break
+            why = (
+                row
+                if isinstance(row, ValueError)
+                else f"a JSON {type(row).__name__}, not an object"
+            )
+            raise ValueError(f"{path}:{i} is not a JSON row ({why}); fix or remove that line")
+        rows.append(row)
+    return rows
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def _clean(row: dict) -> dict:
+    return {
+        k: (None if isinstance(v, float) and (math.isnan(v) or math.isinf(v)) else v)
+        for k, v in row.items()
+    }
+
+
+def dump_row(f, row: dict[str, Any]) -> None:
+    """Append one row (NaN and inf as null) to an open text file and flush it."""
+    f.write(json.dumps(_clean(row), default=_json_default) + "\n")
+    f.flush()
+
+
+def write_rows_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace `path` by `rows` through a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(_clean(r), default=_json_default) + "\n" for r in rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def supersede(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`old` with each row of `new` put in its slot: replacing the old row of the same slot in
+    place, or appended. Rows of other slots are never touched."""
+    out = list(old)
+    where = {slot(r): i for i, r in enumerate(out)}
+    for r in new:
+        k = slot(r)
+        if k in where:
+            out[where[k]] = r
+        else:
+            where[k] = len(out)
+            out.append(r)
+    return out
+
+
+def folder_rows(out: Path) -> list[dict[str, Any]]:
+    """Every row of `out`: results.jsonl, then what the part files of a stopped run hold."""
+    results = Path(out) / RESULTS
+    rows = read_rows(results) if results.exists() else []
+    for p in part_files(out):
+        rows = supersede(rows, read_rows(p))
+    return rows
+
+
+def count_rows(out: str | Path) -> int:
+    """How many rows `out` holds (results.jsonl and part files; 0 for a new or missing folder)."""
+    out = Path(out)
+    results = out / RESULTS
+    if (not results.exists() or results.stat().st_size == 0) and not part_files(out):
+        return 0
+    return len(folder_rows(out))
+
+
+def merge_parts(out: str | Path) -> int:
+    """Fold the part files in `out` into results.jsonl (each part row in its slot) and remove
+    them. Returns the number of part rows folded in (0 when there were no part files)."""
+    out = Path(out)
+    parts = part_files(out)
+    if not parts:
+        return 0
+    results = out / RESULTS
+    rows = read_rows(results) if results.exists() else []
+    new = [r for p in parts for r in read_rows(p)]
+    write_rows_atomic(results, supersede(rows, new))
+    for p in parts:
+        p.unlink()
+    return len(new)
+
+
+# ---- what a resume keeps -------------------------------------------------------------------
+@dataclass
+class Finished:
+    """What the rows of a folder already hold for a grid.
+
+    `done[(sample_id, protocol)]` are the method keys (label, budget) whose rows a resume keeps;
+    `conflicts` are the messages of rows in a slot of the grid that another method filled (its
+    label meant another spec, or another adapter: their slots are not done); `legacy` counts
+    learned rows written before rows recorded `adapter_hash`, per label (kept as done)."""
+
+    done: dict[tuple[str, str], set[tuple[str, str]]] = field(default_factory=dict)
+    conflicts: list[str] = field(default_factory=list)
+    legacy: dict[str, int] = field(default_factory=dict)
+
+
+def finished(
+    rows: list[dict[str, Any]], cfg: EvalConfig, hashes: dict[str, str | None], out: Path
+) -> Finished:
+    """Sort the folder's own rows (source sparsekv) against the grid `cfg`, whose learned
+    methods run the adapters of fingerprint `hashes[spec.spec]`. A row counts as done unless its
+    label belongs to a grid method under the same protocol that it does not match: another spec
+    text, or (when both are known) another adapter fingerprint."""
+    specs = {(pr, p.label): p for p in cfg.policy_specs for pr in cfg.protocols if p.runs_under(pr)}
+    res = Finished()
+    clash: dict[tuple, list] = {}
+    for r in rows:
+        if (r.get("source") or "sparsekv") != "sparsekv":
+            continue
+        label, pr = r["policy"], r["protocol"]
+        spec = specs.get((pr, label))
+        if spec is not None and label != REFERENCE:
+            old_spec, old_hash, new_hash = (
+                r.get("policy_spec"),
+                r.get("adapter_hash"),
+                hashes.get(spec.spec),
+            )
+            if old_spec is not None and old_spec != spec.spec:
+                clash.setdefault(("spec", label, pr, old_spec, spec.spec), []).append(r)
+                continue
+            if old_hash and new_hash and old_hash != new_hash:
+                clash.setdefault(("adapter", label, pr, old_hash, new_hash), []).append(r)
+                continue
+            if new_hash and not old_hash:
+                res.legacy[label] = res.legacy.get(label, 0) + 1
+        res.done.setdefault((r["sample_id"], pr), set()).add((label, str(r["budget"])))
+    for (kind, label, pr, old, new), rs in clash.items():
+        if kind == "spec":
+            res.conflicts.append(
+                f"resume: label {label!r} meant {old!r} under {pr} in {out} ({len(rs)} rows), here {new!r}; "
+                "give the new method another @label=NAME to keep both, or add --overwrite to replace those rows"
+            )
+        else:
+            res.conflicts.append(
+                f"resume: {len(rs)} rows of {label!r} under {pr} in {out} ran adapter {old[:12]}, but the adapter "
+                f"of {specs[(pr, label)].spec!r} is now {new[:12]} (its weights or scoring settings changed); rows "
+                "of two adapters are never merged under one label: give this one another @label=NAME to keep "
+                "both, add --overwrite to replace those rows, or use another --out"
+            )
+    return res
+
+
+# ---- rows from elsewhere --------------------------------------------------------------------
+def ingest(out: str | Path, rows_path: str | Path, source: str | None = None) -> int:
+    """Add result rows produced elsewhere (e.g. the kvpress peer run on `prompts.jsonl`) to
+    `out`/results.jsonl; returns the number of rows added. The caller holds the folder's lock.
+
+    Each row needs `sample_id`, `task`, `length`, `protocol`, `policy`, `budget` and either
+    `output` (re-scored here against the answer in `prompts.jsonl`) or `score`; the other
+    fields of `ROW_FIELDS` are optional. A row in the slot of an existing row (same source,
+    sample, protocol, policy, budget) replaces it."""
+    out = Path(out)
+    prompts = {s.sample_id: s for s in read_prompts(out / "prompts.jsonl")}
+    cleaned = []
+    for i, r in enumerate(read_rows(Path(rows_path)), 1):
+        missing = [k for k in REQUIRED_PEER_FIELDS if k not in r]
+        if missing:
+            raise ValueError(
+                f"{rows_path} row {i}: missing field(s) {missing}; required: {', '.join(REQUIRED_PEER_FIELDS)}"
+            )
+        if r["sample_id"] not in prompts:
+            raise ValueError(
+                f"{rows_path} row {i}: sample_id {r['sample_id']!r} is not in {out / 'prompts.jsonl'}"
+            )
+        s = prompts[r["sample_id"]]
+        row = {k: None for k in ROW_FIELDS}
+        row.update(r)
+        row["source"] = source or r.get("source") or "peer"
+        row["answer"] = s.answer
+        if row.get("error") and row.get("score") is None:
+            row["score"] = 0.0  # a crash counts as a miss
+        elif row.get("score") is None and s.kind == "answer" and row.get("output") is not None:
+            row["score"] = M.score_answer(row["output"], s.answer)
+        row.setdefault("n_tokens", s.metadata.get("n_tokens"))
+        row.setdefault("depth", s.metadata.get("depth"))
+        get_task(row["task"])
+        cleaned.append(row)
+    merge_parts(out)
+    results = out / RESULTS
+    old = read_rows(results) if results.exists() else []
+    write_rows_atomic(results, supersede(old, cleaned))
+    return len(cleaned)
