@@ -152,4 +152,49 @@ def test_kvzap_config_is_kvzaps_recipe():
         "kernel_size": 1,
         "recency": 0.0,
     }
+    assert cfg.inference_uses()["agnostic"] == cfg.inference_kwargs()
     assert cfg.dataset == "data/train-kvzap.jsonl"
+
+
+@pytest.mark.parametrize(
+    "uses,words",
+    [
+        ({"offline": {}}, "unknown use 'offline'"),
+        ({"agnostic": {"kernel": 3}}, "unknown setting(s) ['kernel']"),
+        ({"agnostic": {"kernel_size": 4}}, "inference.uses.agnostic: kernel_size=4"),
+        ({"agnostic": 3}, "must map use names"),
+    ],
+)
+def test_inference_uses_errors_name_the_use(uses, words):
+    with pytest.raises(ValueError) as e:
+        load_config(None, [f"inference.uses={uses}"])
+    assert words in str(e.value)
+
+
+def test_generalize_configs_split_tuning_and_report_seeds():
+    """Issue 15: the tuning grid runs on seed 1, the report grid on a seed no choice saw (not 0,
+    1 or 5) with every task family, >= 30 samples, both protocols, the six heuristics, the learned
+    head set up per use, and the peers; each opens with how to run it."""
+    from sparsekv.evaluation.config import EvalConfig
+
+    families = {"passkey", "multikey", "multivalue", "vartrack", "qa", "wordkey", "uuidkey",
+                "multiquery", "commonwords", "freqwords", "ppl"}
+    heuristics = {"streaming", "h2o", "snapkv", "pyramidkv", "tova", "knorm"}
+    tune = EvalConfig.from_yaml(ROOT / "configs" / "eval" / "generalize-tune.yaml")
+    report = EvalConfig.from_yaml(ROOT / "configs" / "eval" / "generalize-4k.yaml")
+    assert tune.seed == 1 and report.seed not in (0, 1, 5)
+    assert set(report.tasks) == families and report.samples >= 30 and report.lengths == [4096]
+    assert 2 <= len(set(tune.tasks)) < len(families) and set(tune.tasks) <= families
+    for cfg in (tune, report):
+        assert cfg.budgets == [0.1, 0.2, 0.3] and set(cfg.protocols) == {"agnostic", "aware"}
+        names = {p.name for p in cfg.policy_specs}
+        assert heuristics <= names
+        learned = {pr: [p for p in cfg.policy_specs if p.label == "learned" and p.runs_under(pr)]
+                   for pr in cfg.protocols}
+        for pr, specs in learned.items():
+            assert len(specs) == 1 and specs[0].policy_kwargs == {"use": pr}, pr
+        path = ROOT / "configs" / "eval" / f"generalize-{'tune' if cfg is tune else '4k'}.yaml"
+        head = path.read_text().splitlines()[:10]
+        assert head[0].startswith("#") and any("sparsekv eval --config" in line for line in head)
+    assert {"kvzip", "expected_attention", "learned:checkpoints/gemma3-270m-kvzap"} <= {
+        p.name for p in report.policy_specs}
