@@ -122,6 +122,17 @@ def as_lora(lora: Any) -> LoraWeights | None:
 
 
 @contextmanager
+def quiet_peft() -> Iterator[None]:
+    """peft (0.21) calls transformers' deprecated `is_gradient_checkpointing` when it wraps a
+    model; the FutureWarning is peft's to fix, not the caller's, so it is silenced here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+@contextmanager
 def apply_lora(model: nn.Module, lora: LoraWeights) -> Iterator[nn.Module]:
     """Inject `lora` into `model` for the `with` block (yields the `PeftModel` wrapper; `model`
     itself runs with the LoRA too); unload it on exit, also after an error."""
@@ -131,7 +142,8 @@ def apply_lora(model: nn.Module, lora: LoraWeights) -> Iterator[nn.Module]:
 
     grads = {name: p.requires_grad for name, p in model.named_parameters()}
     training = model.training
-    peft_model = PeftModel(model, copy.deepcopy(lora.config))
+    with quiet_peft():
+        peft_model = PeftModel(model, copy.deepcopy(lora.config))
     try:
         result = set_peft_model_state_dict(peft_model, lora.state)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
