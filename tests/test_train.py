@@ -688,9 +688,14 @@ def test_teacher_cache_serves_later_epochs_and_follows_the_target_config(tmp_pat
         "max_steps=4",
         "target.signal=reconstruction",
     ]
-    run_inprocess([*base, f"output_dir={tmp_path / 'a'}", f"teacher_cache={cache}"])
+    uses = "inference.uses={agnostic: {kernel_size: 3}}"  # recorded in the adapter, per use
+    run_inprocess([*base, f"output_dir={tmp_path / 'a'}", f"teacher_cache={cache}", uses])
     rows = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["teacher_cached"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+    from sparsekv.adapter import ScorerAdapter
+
+    recorded = ScorerAdapter.from_pretrained(str(tmp_path / "a" / "final")).config
+    assert recorded.settings("agnostic")["kernel_size"] == 3 and recorded.kernel_size == 1
     folders = list(cache.iterdir())
     assert len(folders) == 1 and len(list(folders[0].glob("*.safetensors"))) == 4
     assert not list(folders[0].glob(".tmp-*"))

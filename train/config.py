@@ -75,7 +75,8 @@ class TrainConfig:
     """The learned policy's defaults written into the adapter: `recency` (log-score bonus per
     1,000 positions, >= 0), `kernel_size` (odd max-pooling width of the head's scores), `blend`
     (weight of observed attention, [0, 1]), `blend_mode` (mix or max) and `head_layer` (own or
-    first); see sparsekv.adapter.AdapterConfig. They do not change training."""
+    first); see sparsekv.adapter.AdapterConfig. `uses` maps other uses ("agnostic", "decode") to
+    their own settings (unset ones: the aware defaults). They do not change training."""
     teacher_block_size: int = 512
     """Queries per block when the teacher statistics are computed (memory O(block x seq))."""
     teacher_cache: str | None = None
@@ -204,15 +205,52 @@ class TrainConfig:
 
         if not isinstance(self.inference, dict):
             raise ValueError(f"inference={self.inference!r} must be a mapping with keys {', '.join(POLICY_DEFAULTS)}")
-        bad = sorted(set(self.inference) - set(POLICY_DEFAULTS))
+        bad = sorted(set(self.inference) - set(POLICY_DEFAULTS) - {"uses"})
         if bad:
-            raise ValueError(f"inference has unknown key(s) {bad}; allowed: {', '.join(POLICY_DEFAULTS)}")
+            allowed = ", ".join([*POLICY_DEFAULTS, "uses"])
+            raise ValueError(f"inference has unknown key(s) {bad}; allowed: {allowed}")
         defaults = {f.name: f.default for f in fields(AdapterConfig) if f.name in POLICY_DEFAULTS}
+        aware = {k: v for k, v in self.inference.items() if k != "uses"}
         try:
-            check_settings(**{**defaults, **self.inference})
+            check_settings(**{**defaults, **aware})
         except ValueError as e:
             raise ValueError(f"inference.{e}") from None
-        return dict(self.inference)
+        self.inference_uses()
+        return aware
+
+    def inference_uses(self) -> dict[str, dict[str, Any]]:
+        """`inference.uses`: use name ("agnostic", "decode") -> the learned policy's settings that
+        the adapter records for that use (unset ones take the aware defaults above); empty = the
+        adapter's own defaults for those uses (see sparsekv.adapter_format)."""
+        from sparsekv.adapter import POLICY_DEFAULTS, AdapterConfig
+        from sparsekv.adapter_format import USES
+        from sparsekv.policies.learned import check_settings
+
+        uses = self.inference.get("uses") or {}
+        names = [u for u in USES if u != "aware"]
+        if not isinstance(uses, dict) or any(not isinstance(v, dict) for v in uses.values()):
+            raise ValueError(
+                f"inference.uses={uses!r} must map use names ({', '.join(names)}) to settings"
+            )
+        defaults = {f.name: f.default for f in fields(AdapterConfig) if f.name in POLICY_DEFAULTS}
+        aware = {k: v for k, v in self.inference.items() if k != "uses"}
+        out = {}
+        for name, settings in uses.items():
+            if name not in names:
+                raise ValueError(
+                    f"inference.uses has unknown use {name!r}; allowed: {', '.join(names)}"
+                )
+            bad = sorted(set(settings) - set(POLICY_DEFAULTS))
+            if bad:
+                raise ValueError(
+                    f"inference.uses.{name} has unknown setting(s) {bad}; "
+                    f"allowed: {', '.join(POLICY_DEFAULTS)}"
+                )
+            try:
+                out[name] = check_settings(**{**defaults, **aware, **settings})
+            except ValueError as e:
+                raise ValueError(f"inference.uses.{name}: {e}") from None
+        return out
 
     def loss_config(self):
         from sparsekv.losses import LossConfig

@@ -712,6 +712,7 @@ class Trainer:
         if acc.is_main_process:
             for k, v in cfg.inference_kwargs().items():  # may change on resume: not a training key
                 setattr(adapter.config, k, v)
+            adapter.config.uses.update(cfg.inference_uses())
             adapter.config.training_config = {
                 "config": cfg.to_dict(),
                 "result": {
