@@ -116,11 +116,11 @@ def run(model, codec, methods: list[str], length: int, rounds: int, budget: floa
 
 def markdown(rows: list[dict], settings: dict) -> str:
     lines = [
-        f"Prefill cost at {settings['length']} tokens, budget {settings['budget']}, model "
-        f"{settings['model']}, median of {settings['rounds']} interleaved rounds ({settings['machine']}).",
+        (f"Prefill cost at {settings['length']} tokens, budget {settings['budget']}, model "
+         f"{settings['model']}, median of {settings['rounds']} interleaved rounds ({settings['machine']})."),
         "",
-        "| method | prefill + scoring (s) | x full prefill | peak KV (MB) | peak RSS above start (MB) "
-        "| scorer parameters |",
+        ("| method | prefill + scoring (s) | x full prefill | peak KV (MB) | peak RSS above start (MB) "
+         "| scorer parameters |"),
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:

@@ -511,7 +511,7 @@ class SparseKVCache(Cache):
         self.shared.measure = weakref.WeakMethod(self.kv_bytes)
         self._hooks: list[Any] = []
         self._in_chunked_prefill = False
-        self.step_inputs: tuple[Any, Any] | None = None  # (input_ids, attention_mask) of the last forward
+        self.step_inputs: tuple | None = None  # (input_ids, attention_mask, position_ids) of the last forward
         self.in_repeat = False  # a repeat pass is running its forwards through this cache
         self._use_sparse_attention(model)
         self._install_hooks(model)
@@ -651,14 +651,15 @@ def _capture_hidden(ref, layer: EvictingLayer, first: bool):
 
 
 def _note_inputs(ref):
-    """Forward pre-hook on the model: keep the forward's `input_ids` `(batch, new)` and 2-D
-    `attention_mask` `(batch, seen)` for a repeat pass (not those of the repeat's own forwards)."""
+    """Forward pre-hook on the model: keep the forward's `input_ids` `(batch, new)`, 2-D
+    `attention_mask` `(batch, seen)` and `position_ids` for a repeat pass (not those of the
+    repeat's own forwards)."""
 
     def hook(module, args, kwargs):
         cache = ref()
         if cache is not None and kwargs.get("cache") is cache and not cache.in_repeat:
             ids = kwargs.get("input_ids", args[0] if args else None)
-            cache.step_inputs = (ids, kwargs.get("attention_mask"))
+            cache.step_inputs = (ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
 
     return hook
 

@@ -24,7 +24,11 @@ of a policy with `scores_after_prefill`), `score_pending(cache)`:
    through `EvictingLayer.finish_repeat`, which scores and evicts.
 
 Batches with left padding are repeated row by row in the padded coordinates: every row's chunk
-has the same bounds, padding is masked out of the repeat as it was out of the context.
+has the same bounds, padding is masked out of the repeat as it was out of the context, and when
+the forward had explicit `position_ids` (as `generate` passes them: real tokens only) the repeat
+continues them. A padded row then scores as it would alone, except on sliding-window layers,
+where the padding inside a repeat chunk takes slots of the window (Gemma 3's budgeted layers see
+slightly different hidden states for that row).
 """
 
 from __future__ import annotations
@@ -137,7 +141,7 @@ def score_pending(cache: SparseKVCache) -> None:
     pending = {layer.pending for layer in layers}
     if pending == {0}:
         return
-    ids, mask = cache.step_inputs if cache.step_inputs is not None else (None, None)
+    ids, mask, step_pos = cache.step_inputs if cache.step_inputs is not None else (None, None, None)
     if ids is None or len(pending) != 1 or ids.shape[1] != pending.pop():
         raise ValueError(
             f"policy {cache.policy.name!r} repeats the tokens of each prefill: call the model with "
@@ -155,16 +159,21 @@ def score_pending(cache: SparseKVCache) -> None:
         if any(len(c[0]) != width or c[1:] != (start, end) for c in chunk):
             raise ValueError("repeat_inputs gave the rows of a batch different layouts")
         rep_ids = torch.tensor([c[0] for c in chunk], dtype=torch.long, device=ids.device)
-        rep_mask = None
+        rep_mask, rep_pos = None, None
         if mask is not None:
             prompt = mask.new_ones((mask.shape[0], width - (end - start)))
             rep_mask = torch.cat([mask, prompt, step_mask[:, start:end]], dim=1)
+        if step_pos is not None:  # continue the forward's own positions (generate: real tokens only)
+            steps = torch.arange(width, device=ids.device)[None]
+            if rep_mask is not None:
+                steps = (rep_mask[:, -width:].long().cumsum(-1) - 1).clamp_min(0)
+            rep_pos = step_pos[:, -1:] + 1 + steps
         col = _Collector(start, end, cache.config.sink_tokens, cache.shared.first_valid)
         snap = _snapshot(cache)
         cache.shared.repeat, cache.in_repeat = col, True
         try:
-            cache.model(input_ids=rep_ids, attention_mask=rep_mask, cache=cache, use_cache=True,
-                        logits_to_keep=1)
+            cache.model(input_ids=rep_ids, attention_mask=rep_mask, position_ids=rep_pos, cache=cache,
+                        use_cache=True, logits_to_keep=1)
         finally:
             _restore(cache, snap)
             cache.shared.repeat, cache.in_repeat = None, False

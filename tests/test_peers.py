@@ -298,3 +298,25 @@ def test_bench_prefill_writes_cost_columns(tmp_path, monkeypatch):
     assert rows["kvzip"]["peak_kv_mb"] >= rows["expected_attention"]["peak_kv_mb"]  # the repeat's entries
     assert all(r["scorer_params"] == 0 for r in rows.values())
     assert "| kvzip |" in (tmp_path / "prefill.md").read_text()
+
+
+@pytest.mark.parametrize(("name", "family"), [("kvzip", "qwen3"), ("expected_attention", "gemma3")])
+def test_left_padded_row_keeps_what_it_keeps_alone(name, family):
+    """Padding is left out of the repeat and of the statistics: with generate-style position ids,
+    a left-padded row keeps the same tokens as the same row prefilled alone. (Not KVzip on Gemma
+    3: the padding inside a repeat chunk shortens its sliding windows; see `repeat_pass`.)"""
+    model = _model(family)
+    pad, b = 10, _ids(60, seed=5)
+    ids = torch.cat([_ids(70, seed=6), torch.cat([torch.zeros(1, pad, dtype=torch.long), b], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    policy = policies.get("kvzip", encode=CODEC.encode, chunk=128) if name == "kvzip" else _policy(name)
+    cfg = EvictionConfig(budget=20, sink_tokens=4, recent_window=8)
+    batch, alone = SparseKVCache(model, cfg, policy), SparseKVCache(model, cfg, policy)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=batch, use_cache=True)
+        model(input_ids=b, cache=alone, use_cache=True)
+    for idx in batch.budgeted_layers:
+        padded, single = batch.layers[idx].positions[1], alone.layers[idx].positions[0]
+        assert (padded - pad).tolist() == single.tolist()
