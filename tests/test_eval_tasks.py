@@ -148,3 +148,58 @@ def test_metrics():
     assert M.score_answer("\n\n 48213.\nWhat is the pass key? 11111", "48213") == 1.0
     assert M.score_answer(" a key.\n\nThe pass key is 48213", "48213") == 0.0
     assert not M.answer_complete("\n 482") and M.answer_complete(" 48213.\n")
+
+
+# --------------------------------------------------------------------------- beyond digits
+
+
+def test_wordkey_and_uuidkey_values_and_wordings_vary():
+    from sparsekv.evaluation.tasks_words import VALUE_WORDS
+
+    uuid_re = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+    wordings = set()
+    for i in range(8):
+        w = make_sample("wordkey", CODEC, LENGTH, i, seed=0)
+        assert w.answer in VALUE_WORDS and w.context.count(w.answer) >= 1
+        assert M.score_answer(f" {w.answer}.", w.answer) == 1.0
+        assert M.score_answer(f" {w.answer}s", w.answer) == 0.0  # a word, not a prefix
+        wordings.add(w.metadata["wording"])
+        u = make_sample("uuidkey", CODEC, LENGTH, i, seed=0)
+        assert uuid_re.match(u.answer) and u.answer in u.context
+        assert M.score_answer(f' "{u.answer.upper()}".', u.answer) == 1.0
+        assert M.score_answer(" " + u.answer[1:], u.answer) == 0.0  # one character short
+        wordings.add(u.metadata["wording"])
+    assert len(wordings) >= 4
+
+
+def test_multiquery_asks_two_keys_scored_as_both_values():
+    s = make_sample("multiquery", CODEC, LENGTH, 0, seed=2, num_keys=5)
+    assert isinstance(s.answer, list) and len(s.answer) == 2 and len(set(s.answer)) == 2
+    assert all(v in s.context for v in s.answer)
+    assert M.score_answer(f" {s.answer[0]} and {s.answer[1]}.", s.answer) == 1.0
+    assert M.score_answer(f" {s.answer[1]}.", s.answer) == 0.5
+    with pytest.raises(ValueError, match="num_keys=1 must be >= 2"):
+        make_sample("multiquery", CODEC, LENGTH, 0, num_keys=1)
+
+
+def test_commonwords_answer_is_the_most_common_words():
+    s = make_sample("commonwords", CODEC, 2048, 1, seed=0, num_common=4)
+    listed = re.findall(r"^\d+\. ([a-z]+)$", s.context, flags=re.M)
+    counts = __import__("collections").Counter(listed)
+    top = [w for w, _ in counts.most_common(4)]
+    assert sorted(top) == sorted(s.answer)
+    assert min(counts[w] for w in s.answer) > max(c for w, c in counts.items() if w not in s.answer)
+    assert "4 most common words" in s.question or "4 most repeated" in s.question
+    numbers = [int(n) for n in re.findall(r"^(\d+)\. ", s.context, flags=re.M)]
+    assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_freqwords_answer_is_the_three_most_frequent_made_up_words():
+    from sparsekv.evaluation.tasks_words import prose_vocabulary
+
+    s = make_sample("freqwords", CODEC, 2048, 2, seed=0)
+    words = s.context.split("\n\n", 1)[1].split()
+    counts = __import__("collections").Counter(words)
+    assert [w for w, _ in counts.most_common(3)] == s.answer
+    assert not set(counts) & set(prose_vocabulary())  # made up, not English words of the prose
+    assert s.metadata["counts"][2] > s.metadata["counts"][3]
