@@ -543,6 +543,13 @@ class SparseKVCache(Cache):
             for layer in self.layers
         ]
 
+    def get_query_offset(self, layer_idx: int = 0):
+        # transformers' mask preparation reads this every forward; a static layer answers with a
+        # device tensor, so that a compiled decode step does not specialize on the token count
+        layer = self.layers[layer_idx]
+        offset = layer.query_offset() if isinstance(layer, StaticSlots) else None
+        return super().get_query_offset(layer_idx) if offset is None else offset
+
     def tokens_seen(self) -> int:
         """Absolute number of tokens processed so far."""
         return max((layer.get_seq_length() for layer in self.layers), default=0)

@@ -77,6 +77,14 @@ def slot_count(config: EvictionConfig, fraction: float, evicts: bool = True) -> 
     return slots if config.max_length is None else min(slots, max(config.max_length, 1))
 
 
+def _static_address(t: torch.Tensor) -> torch.Tensor:
+    """Tell torch.compile that `t` keeps its address (written in place between steps), so CUDA
+    graphs can capture steps that mutate it (transformers' StaticLayer does the same)."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(t)
+    return t
+
+
 class SlotBuffers:
     """Growable per-entry tensors in fixed buffers: `view(name)` is the first `length(name)`
     entries (axis 2) of buffer `name`; `assign(name, t)` copies `t` into that prefix."""
@@ -107,6 +115,7 @@ class SlotBuffers:
             b = value.new_full(
                 (*value.shape[:2], self.slots, *value.shape[3:]), -1 if name == "positions" else 0
             )
+            _static_address(b)
             self.buf[name], self.len[name] = b, 0
         return b
 
@@ -182,6 +191,7 @@ class StaticSlots:
         self._slot: torch.Tensor | None = None  # (1,) long on the device: the next free slot
         self._pos: torch.Tensor | None = None  # (1, 1, 1) long on the device: its absolute position
         self._full = False  # no free slot is left for another decode token
+        self._ready = False  # a first step was stored: decode steps may take the in-place path
         super().__init__(shared, layer_idx, budget_rank, fraction)
 
     @property
@@ -195,7 +205,8 @@ class StaticSlots:
         `slots` (masked by position) for a decode step."""
         if self._step is not None:  # the forward hook did not run (e.g. the base model was called)
             self.finish_step()
-        if key_states.shape[-2] > 1 or not self.is_initialized or self._slots.length() == 0:
+        # (only flags are read on the decode path: a compiled forward must not specialize on counts)
+        if key_states.shape[-2] > 1 or not self._ready:
             return self._append(key_states, value_states)
         if self._slots.changed:
             self._refresh()
@@ -206,8 +217,9 @@ class StaticSlots:
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
-            self._pos = torch.zeros(1, 1, 1, dtype=torch.long, device=self.device)
+        if self._slot is None:  # first step (or the first after `load_from`)
+            self._slot = _static_address(torch.zeros(1, dtype=torch.long, device=self.device))
+            self._pos = _static_address(torch.zeros(1, 1, 1, dtype=torch.long, device=self.device))
         b, h, q, _ = key_states.shape
         s, n = self._slots, self._slots.length()
         if n + q > s.slots:
@@ -230,7 +242,9 @@ class StaticSlots:
         )
         self._live = (keys, values)
         self.seen += q
+        self._pos.fill_(self.seen)  # exact outside a decode step in flight (`query_offset`)
         self.num_new = q
+        self._ready = True
         attn.announce_layer(self.layer_idx, self)
         measure = self.shared.measure() if self.shared.measure is not None else None
         if measure is not None:
@@ -260,6 +274,12 @@ class StaticSlots:
         self.num_new = 1
         attn.announce_layer(self.layer_idx, self)
         return keys, values
+
+    def query_offset(self) -> torch.Tensor | None:
+        """Tokens seen, as a 0-d device tensor (what transformers' mask preparation reads; a
+        host int there would make a compiled forward recompile at every step); None before the
+        first step."""
+        return self._pos.view(()) if self._ready else None
 
     def _refresh(self) -> None:
         """Point the device-side slot index at the first free slot (no host sync)."""
@@ -297,7 +317,9 @@ class StaticSlots:
         """Score and evict the decode step the forward left: the default layout's computation,
         on the kept prefix (host bookkeeping first: the new entry is the prefix's last)."""
         step, self._step = self._step, None
-        if step is None:
+        if step is None:  # a multi-token step (scored in the forward), or no step at all
+            if self._ready and self._slots.changed:
+                self._refresh()  # here, eagerly, not inside the next (compiled) decode step
             return
         if len(step) != 5:
             raise RuntimeError(

@@ -1,0 +1,252 @@
+"""Measured batched decoding under one memory cap: the largest batch that really runs, and its
+tokens per second per GPU, for the full cache and for the evicting cache (issue 20.2).
+
+    python eval/bench_serving.py                 # Llama-3.1-8B shape, bf16, CUDA, 80 GiB cap
+    python eval/bench_serving.py --tiny          # dry run on the CPU at a tiny shape (seconds)
+
+The model has Llama-3.1-8B's shape with random weights (`bench_gpu.build_model`): real memory
+and time, meaningless text. Modes:
+
+- `dynamic`: transformers' DynamicCache, eager (what `model.generate` does by default);
+- `static`: transformers' StaticCache, decode step compiled (the fair full-cache baseline);
+- `0.3`: SparseKVCache, budget 0.3 (SnapKV scores), `layout="static"`, decode step compiled;
+- `0.3+int8`: the same, kept entries stored as INT8.
+
+Per length and mode: one sequence is prefilled (in chunks) and its cache (compressed, for the
+budget modes) replicated across the batch; then decode steps run at that batch. The batch is
+searched by really running it under the cap (`torch.cuda.set_per_process_memory_fraction`, so
+an allocation past the cap is an out-of-memory error): the first probe is the batch the measured
+per-sequence bytes predict, then up or down and bisection, `--probes` runs at most. A probe
+counts as fitting when its warm-up (compilation, graph capture) and timed steps all ran. Reported:
+the largest batch that ran, the smallest that did not (if probed), and the measured decode
+tokens/s at the largest (batch x steps / seconds), with the KV bytes per sequence.
+
+Compilation: `model.forward` is compiled (`--compile`, default "reduce-overhead" on CUDA, none
+on the CPU) for decode steps only, which pass `position_ids`; the evicting cache's scoring and
+eviction run eagerly after each compiled forward (`sparsekv.static_layer`). Rows are appended
+to `--json` as they complete, so a run cut short by a time limit keeps what it measured.
+Lengths run in the order given (32K first by default: the headline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_gpu import SHAPES, build_model
+
+from sparsekv import EvictionConfig, SparseKVCache
+from sparsekv.default_model import resolve_dtype
+from sparsekv.static_layer import finish_steps
+
+MODES = ("dynamic", "static", "0.3", "0.3+int8")
+TINY = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "256,128",
+        "--chunk", "64", "--static-chunk", "32", "--new-tokens", "3", "--warmup-steps", "1",
+        "--memory-gib", "0.05", "--probes", "3", "--compile", "none"]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make_cache(model, mode: str, length: int, args):
+    """A batch-1 cache of `mode`, and how to prefill it."""
+    from transformers import DynamicCache, StaticCache
+
+    total = length + args.warmup_steps + args.new_tokens + 1
+    if mode == "dynamic":
+        return DynamicCache(config=model.config)
+    if mode == "static":
+        return StaticCache(config=model.config, max_cache_len=total)
+    cfg = EvictionConfig(budget=0.3, quantize="int8" if mode.endswith("int8") else None,
+                         prefill_chunk=args.static_chunk, rerank_every=16, layout="static",
+                         max_length=total)
+    return SparseKVCache(model, cfg, "snapkv")
+
+
+@torch.no_grad()
+def prefill(model, cache, ids, mode: str, chunk: int):
+    """Prefill `ids` `(1, n)` through `cache`; returns the next token `(1, 1)`."""
+    if isinstance(cache, SparseKVCache):  # its own hook splits into `prefill_chunk` pieces
+        return model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    for s in range(0, ids.shape[1], chunk):
+        pos = torch.arange(s, min(s + chunk, ids.shape[1]), device=ids.device)[None]
+        out = model(input_ids=ids[:, s : s + chunk], position_ids=pos, cache=cache, logits_to_keep=1)
+    return out.logits[:, -1:].argmax(-1)
+
+
+def replicate(model, cache, batch: int):
+    """The batch-1 `cache` repeated `batch` times (a new cache for StaticCache)."""
+    from transformers import StaticCache
+
+    if not isinstance(cache, StaticCache):
+        cache.batch_repeat_interleave(batch)
+        if isinstance(cache, SparseKVCache):
+            finish_steps(cache)  # point the device-side slot indices at the new buffers
+        return cache
+    big = StaticCache(config=model.config, max_cache_len=cache.layers[0].max_cache_len)
+    src = cache.layers[0]
+    big.early_initialization(batch, src.num_heads, src.k_head_dim, src.keys.dtype, src.device)
+    for new, old in zip(big.layers, cache.layers):
+        new.keys.copy_(old.keys.expand_as(new.keys))
+        new.values.copy_(old.values.expand_as(new.values))
+        new.cumulative_length.copy_(old.cumulative_length)
+    return big
+
+
+def kv_bytes(cache) -> int:
+    if isinstance(cache, SparseKVCache):
+        return cache.kv_bytes()
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+@torch.no_grad()
+def decode(step, cache, tok, start: int, steps: int, device: str) -> float:
+    """`steps` decode steps from position `start`; returns seconds (synchronized at the edges)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    b = tok.shape[0]
+    for i in range(steps):
+        pos = torch.full((b, 1), start + i, dtype=torch.long, device=tok.device)
+        tok = step(input_ids=tok, position_ids=pos, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    sync()
+    return time.perf_counter() - t0
+
+
+def probe(model, mode: str, ids, batch: int, args) -> dict | None:
+    """Prefill, replicate to `batch`, warm up, time `new_tokens` steps. None when out of memory."""
+    n = ids.shape[1]
+    cache = step = None
+    try:
+        cache = make_cache(model, mode, n, args)
+        tok = prefill(model, cache, ids, mode, args.chunk)
+        per_seq = kv_bytes(cache)
+        cache = replicate(model, cache, batch)
+        if not args.device.startswith("cuda") and args.weights + kv_bytes(cache) > args.memory_gib * 2**30:
+            raise torch.OutOfMemoryError("over --memory-gib (weights + KV; the cap on a CPU dry run)")
+        tok = tok.expand(batch, 1).contiguous()
+        step = model
+        if mode != "dynamic" and args.compile != "none":
+            model.forward = torch.compile(model.forward, mode=args.compile, dynamic=False)
+        t0 = time.perf_counter()
+        decode(step, cache, tok, n, args.warmup_steps, args.device)
+        warm = time.perf_counter() - t0
+        secs = decode(step, cache, tok, n + args.warmup_steps, args.new_tokens, args.device)
+        peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else 0
+        return {"mode": mode, "length": n, "batch": batch, "kv_bytes_per_seq": per_seq,
+                "kv_bytes": kv_bytes(cache), "peak_bytes": peak, "warmup_s": warm,
+                "decode_s": secs, "tok_s": batch * args.new_tokens / secs}
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        model.__dict__.pop("forward", None)  # back to the eager forward
+        if isinstance(cache, SparseKVCache):
+            cache.close()
+        del cache, step
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def search(model, mode: str, ids, args, weights: int) -> dict:
+    """The largest batch that runs under the cap, within `args.probes` real runs."""
+    one = probe(model, mode, ids, 1, args)
+    if one is None:
+        return {"mode": mode, "length": ids.shape[1], "batch": 0, "tok_s": 0.0, "fails_at": 1, "probes": 1}
+    cap = args.memory_gib * 2**30
+    work = max(one["peak_bytes"] - weights - one["kv_bytes"], 0)  # activations, logits, graphs
+    guess = max(1, int((cap - weights - work) // max(one["kv_bytes_per_seq"], 1)))
+    best, lo, hi, probes = one, 1, None, 1
+    batch = guess
+    while probes < args.probes and (hi is None or hi - lo > 1):
+        log(f"  {mode} @ {ids.shape[1]}: probing batch {batch}")
+        row = probe(model, mode, ids, batch, args)
+        probes += 1
+        if row is None:
+            hi = batch
+        else:
+            lo, best = batch, row
+        if hi is None:  # no failure yet: grow past the estimate
+            batch = max(lo + 1, int(lo * 1.25))
+        else:
+            batch = (lo + hi) // 2
+            if batch == lo:
+                break
+    return {**best, "fails_at": hi, "probes": probes, "batch_estimate": guess}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="CPU dry run at a tiny shape: " + " ".join(TINY))
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    p.add_argument("--lengths", default="32768,16384,8192", help="prompt lengths, run in this order")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--chunk", type=int, default=4096, help="prefill chunk of the full-cache modes")
+    p.add_argument("--static-chunk", type=int, default=512,
+                   help="prefill chunk of the budget modes (also the static layout's free room)")
+    p.add_argument("--new-tokens", type=int, default=32, help="timed decode steps per probe")
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps (compile, capture)")
+    p.add_argument("--memory-gib", type=float, default=80.0, help="memory cap, enforced on CUDA")
+    p.add_argument("--probes", type=int, default=4, help="real runs per length and mode, batch 1 included")
+    p.add_argument("--compile", default=None, help='"reduce-overhead" (CUDA default), "default", "none" (CPU default)')
+    p.add_argument("--json", default=None, help="append rows here (JSON list, rewritten after each row)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    if args.tiny:  # flags given after --tiny's defaults override them
+        args = p.parse_args(TINY + argv)
+    args.compile = args.compile or ("reduce-overhead" if args.device.startswith("cuda") else "none")
+    modes = args.modes.split(",")
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"--modes: unknown mode {m!r}; allowed values: {', '.join(MODES)}")
+    if args.probes < 1:
+        raise SystemExit(f"--probes={args.probes} must be >= 1")
+    dtype = resolve_dtype(args.dtype, "--dtype")
+    model = build_model(args.shape, dtype, args.device)
+    weights = args.weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    if args.device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(args.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), args.device)
+    log(f"{args.shape} ({weights / 2**30:.1f} GiB weights, {args.dtype}) on {args.device}, cap "
+        f"{args.memory_gib:g} GiB, compile={args.compile}, modes {modes}")
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+    for n in (int(x) for x in args.lengths.split(",")):
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(args.device)
+        for mode in modes:
+            t0 = time.perf_counter()
+            row = search(model, mode, ids, args, weights)
+            row["search_s"] = time.perf_counter() - t0
+            rows.append(row)
+            log(f"{n} {mode}: batch {row['batch']} (fails at {row.get('fails_at')}), "
+                f"{row['tok_s']:.1f} tok/s, {row['search_s']:.0f} s")
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1))
+    print_table(rows, args)
+    return 0
+
+
+def print_table(rows: list[dict], args) -> None:
+    print(f"\n{args.shape}, {args.dtype}, cap {args.memory_gib:g} GiB, {args.new_tokens} timed steps, "
+          f"compile={args.compile}")
+    print("| length | mode | KV MiB / seq | largest batch run | fails at | tok/s | vs best full |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        full = [x["tok_s"] for x in rows if x["length"] == r["length"] and x["mode"] in ("dynamic", "static")]
+        ratio = f"{r['tok_s'] / max(full):.2f}x" if full and max(full) > 0 else "-"
+        per_seq = r.get("kv_bytes_per_seq", 0) / 2**20
+        print(f"| {r['length']} | {r['mode']} | {per_seq:.1f} | {r['batch']} | {r.get('fails_at') or '-'} | "
+              f"{r['tok_s']:.1f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
