@@ -2,13 +2,16 @@
 
 This module owns building the training corpus as JSONL records `{"text": ..., "source": ...}`:
 
-- prose that ships with Python itself: the `pydoc_data.topics` help pages and the docstrings of
-  the standard library (read from the source files with `ast`: nothing is imported or run), plus
-  Debian's license texts under /usr/share/common-licenses where present;
-- synthetic long-context retrieval samples hidden in that prose, so that the head learns that a
-  needle matters: a pass key ("passkey"), several key-value lines ("kv") and a chain of variable
-  assignments ("vars", multi-hop). Each ends with its question and answer, so the frozen model's
-  attention from the answer back to the needle is part of the teacher signal.
+- prose of the `train` source families of `sparsekv.sources` (the `pydoc_data.topics` help
+  pages, the docstrings of the standard library and Debian's license texts); the evaluation
+  reads only the `eval` families, so no evaluation prompt repeats training text;
+- synthetic long-context samples hidden in that prose, so that the head learns that a needle
+  matters, with values of every type the evaluation asks for but wordings of their own
+  (`TEMPLATES`, disjoint from the evaluation's): a number ("passkey"), key-value lines ("kv"), a
+  chain of assignments ("vars", multi-hop), ordinary words ("words"), UUID-like strings
+  ("uuid"), two keys asked at once ("pairs"), the most frequent words of a block ("tally") and a
+  sentence of the prose quoted back ("quote"). Each ends with its question and answer, so the
+  frozen model's attention from the answer back to the needle is part of the teacher signal.
 
 Everything is deterministic from `seed`. The module knows nothing about tokenizers or models;
 the trainer packs the text into token blocks. Output is written atomically (temp file + rename).
@@ -150,13 +153,20 @@ def _digits(rng: random.Random, n: int = 5) -> str:
 # learn that a short, isolated fact matters, not memorise one sentence. Each passkey entry is
 # (needle, question, answer) with {k} for the number.
 _PASSKEY_TEMPLATES = (
-    ("The access code is {k}. Do not forget it.", "What is the access code?", "The access code is {k}."),
-    ("Note for later: the secret number is {k}.", "What is the secret number?", "The secret number is {k}."),
-    ("Locker combination: {k}. Keep it safe.", "What is the locker combination?", "The locker combination is {k}."),
-    ("The ticket issued today carries the number {k}.", "Which number does today's ticket carry?", "Today's ticket carries the number {k}."),
+    ("The access code is {k}. Do not forget it.", "What is the access code?",
+     "The access code is {k}."),
+    ("Note for later: the secret number is {k}.", "What is the secret number?",
+     "The secret number is {k}."),
+    ("Locker combination: {k}. Keep it safe.", "What is the locker combination?",
+     "The locker combination is {k}."),
+    ("The ticket issued today carries the number {k}.", "Which number does today's ticket carry?",
+     "Today's ticket carries the number {k}."),
     ("Remember this PIN: {k}.", "What PIN were you asked to remember?", "The PIN is {k}."),
     ("Order {k} is the one to ship first.", "Which order ships first?", "Order {k} ships first."),
 )
+# key-value lines and the question of the multi-hop chains ({k} key, {v} value)
+_KV_TEMPLATE = ("The value of key {k} is {v}.", "What is the value of key {k}?")
+_VAR_QUESTION = ("What is the value of {k}?", "{k} is {v}.")
 # (first assignment, copy) wordings of the variable chains, with {a}, {b} names and {v} a number.
 _VAR_TEMPLATES = (
     ("Let {a} be {v}.", "Let {b} be equal to {a}."),
@@ -176,10 +186,10 @@ def _kv(rng: random.Random, context: str) -> tuple[str, str, str]:
     n = rng.randint(3, 6)
     keys = [f"{rng.getrandbits(32):08x}" for _ in range(n)]
     vals = [_digits(rng) for _ in range(n)]
-    lines = [f"The value of key {k} is {v}." for k, v in zip(keys, vals)]
+    lines = [_KV_TEMPLATE[0].format(k=k, v=v) for k, v in zip(keys, vals)]
     text = _insert(context, lines, [rng.random() for _ in range(n)])
     i = rng.randrange(n)
-    return text, f"What is the value of key {keys[i]}?", f"The value of key {keys[i]} is {vals[i]}."
+    return text, _KV_TEMPLATE[1].format(k=keys[i]), lines[i]
 
 
 def _vars(rng: random.Random, context: str) -> tuple[str, str, str]:
@@ -193,8 +203,8 @@ def _vars(rng: random.Random, context: str) -> tuple[str, str, str]:
     depths = sorted(rng.random() for _ in range(hops))  # the chain appears in reading order
     depths += [rng.random(), rng.random()]
     text = _insert(context, lines, depths)
-    q = f"What is the value of {names[hops - 1]}?"
-    return text, q, f"{names[hops - 1]} is {value}."
+    q, a = (t.format(k=names[hops - 1], v=value) for t in _VAR_QUESTION)
+    return text, q, a
 
 
 # Keyed needles of the other value types, as (needle, question, answer) with {k} the key and
@@ -219,7 +229,8 @@ _UUID_TEMPLATES = (
 _PAIR_TEMPLATES = (
     ("Shelf {k} holds {v} books.", "How many books do shelves {k1} and {k2} hold?",
      "Shelf {k1} holds {v1} books and shelf {k2} holds {v2}."),
-    ("Key {k} maps to {v}.", "Look up keys {k1} and {k2}.", "{k1} maps to {v1}; {k2} maps to {v2}."),
+    ("Key {k} maps to {v}.", "Look up keys {k1} and {k2}.",
+     "{k1} maps to {v1}; {k2} maps to {v2}."),
     ("Runner {k} finished in {v} seconds.", "How long did runners {k1} and {k2} take?",
      "Runner {k1} took {v1} seconds, runner {k2} took {v2} seconds."),
 )
@@ -238,12 +249,10 @@ _QUOTE_TEMPLATES = (
 TEMPLATES: tuple[str, ...] = tuple(
     t
     for group in (_PASSKEY_TEMPLATES, _VAR_TEMPLATES, _WORD_TEMPLATES, _UUID_TEMPLATES,
-                  _PAIR_TEMPLATES, _TALLY_TEMPLATES)
+                  _PAIR_TEMPLATES, _TALLY_TEMPLATES, (_KV_TEMPLATE, _VAR_QUESTION))
     for row in group
     for t in row
-) + tuple(q for q, _ in _QUOTE_TEMPLATES) + (
-    "The value of key {k} is {v}.", "What is the value of key {k}?", "What is the value of {k}?",
-)
+) + tuple(q for q, _ in _QUOTE_TEMPLATES)
 
 
 def _train_key(rng: random.Random) -> str:
@@ -299,7 +308,8 @@ def _tally(rng: random.Random, context: str, vocab: tuple[str, ...]) -> tuple[st
         pool = rng.sample(vocab, 30)
     top = rng.sample(pool, 3)
     items = [w for k, w in enumerate(top) for _ in range(12 - 3 * k)]  # 12, 9, 6 times
-    items += [w for w in rng.sample([p for p in pool if p not in top], 20) for _ in range(rng.randint(1, 3))]
+    rare = rng.sample([p for p in pool if p not in top], 20)
+    items += [w for w in rare for _ in range(rng.randint(1, 3))]
     rng.shuffle(items)
     text = _insert(context, [f"{intro} {' '.join(items)}"], [rng.random()])
     return text, question, answer.format(words=", ".join(top))
@@ -398,11 +408,12 @@ def _parser() -> argparse.ArgumentParser:
     docs, defaults = _field_docs(BuildConfig), asdict(BuildConfig())
     for f in fields(BuildConfig):
         is_list = isinstance(defaults[f.name], list)
+        shown = ",".join(defaults[f.name]) if is_list else defaults[f.name]
         p.add_argument(
             f"--{f.name}",
             type=(lambda s: s.split(",")) if is_list else int,
             default=None,
-            help=f"{docs.get(f.name, '')} (default: {','.join(defaults[f.name]) if is_list else defaults[f.name]})",
+            help=f"{docs.get(f.name, '')} (default: {shown})",
         )
     return p
 
