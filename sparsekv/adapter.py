@@ -164,11 +164,14 @@ class ScorerAdapter:
         hidden: int = 64,
         target: TargetConfig | None = None,
         base_model_id: str | None = None,
+        uses: dict[str, dict[str, Any]] | None = None,
         **policy_defaults: Any,
     ) -> ScorerAdapter:
         """A fresh, untrained adapter for `model` (default layers: its full-attention layers).
-        `policy_defaults` (recency, kernel_size, blend, blend_mode, head_layer) are the learned policy's
-        defaults recorded in the config."""
+        `policy_defaults` (recency, kernel_size, blend, blend_mode, head_layer) are the learned
+        policy's "aware" settings recorded in the config; `uses` the settings of the other uses
+        ({"agnostic": {...}, "decode": {...}}, unset keys copying "aware"; default
+        `adapter_format.DEFAULT_USES`)."""
         bad = sorted(set(policy_defaults) - set(POLICY_DEFAULTS))
         if bad:
             raise ValueError(f"unknown policy default(s) {bad}; allowed: {', '.join(POLICY_DEFAULTS)}")
@@ -185,6 +188,7 @@ class ScorerAdapter:
             kind=kind,
             hidden=hidden,
             target=(TargetConfig() if target is None else target).to_dict(),
+            **({} if uses is None else {"uses": uses}),
             **policy_defaults,
         )
         head = GatingHead(

@@ -123,6 +123,9 @@ def test_uses_apply_the_recorded_settings_and_a_bad_use_names_the_allowed():
     with pytest.raises(ValueError, match="unknown use 'sideways'"):
         AdapterConfig(**{**vars(adapter.config), "uses": {"sideways": {}}})
     assert policies.get("learned", adapter=adapter, use="agnostic").blend == 0.0
+    decoding = ScorerAdapter.for_model(model, uses={"agnostic": {"blend": 0.0}, "decode": {"recency": 1.0}})
+    assert decoding.settings("decode")["recency"] == 1.0 and decoding.settings("agnostic")["kernel_size"] == 1
+    assert decoding.policy(use="decode").recency == 1.0
 
 
 def test_hub_arguments_reach_snapshot_download(monkeypatch, tmp_path):
@@ -313,3 +316,18 @@ def test_module_graph_has_no_import_cycle(anywhere):
 
     cycles = {m: c for m in mine if m in graph and (c := cycle_from(m))}
     assert not cycles, cycles
+
+
+def test_eval_cli_refuses_a_head_for_another_model(tmp_path, capsys):
+    from sparsekv.cli import main
+
+    folder = ScorerAdapter.for_model(tiny_model("gemma3"), hidden=8).save_pretrained(tmp_path / "a")
+    argv = ["eval", "--model", "tiny:llama", "--policy", f"learned:{folder}", "--budget", "0.3",
+            "--tasks", "passkey", "--lengths", "128", "--samples", "1", "--protocol", "agnostic",
+            "--threads", "1", "--no-progress", "--out", str(tmp_path / "out")]
+    code = main(argv)
+    err = capsys.readouterr().err
+    rows = (tmp_path / "out" / "results.jsonl")
+    text = rows.read_text() if rows.exists() else ""
+    assert code != 0 or "mismatch in model type" in text, (code, err, text)
+    assert "mismatch in model type" in err + text
