@@ -145,6 +145,12 @@ class TrainConfig:
     """Hub repo id (user/name) that receives the final adapter."""
     hub_private: bool = False
     """Create the Hub repo as private."""
+    # ------------------------------------------------------------------ LoRA co-adaptation
+    lora: dict = field(default_factory=dict)
+    """Optional LoRA on the frozen model's attention projections, trained by KL distillation so
+    the model reading its compressed cache matches the full cache: fields of
+    train.lora.LoraTrainConfig (r, alpha, target_modules, layers, budget, steps, lr, context_len,
+    continuation_len, adapter, ...). Empty = no LoRA. Saved in final/lora/ (a PEFT folder)."""
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
@@ -190,6 +196,7 @@ class TrainConfig:
         self.target_config()
         self.loss_config()
         self.inference_kwargs()
+        self.lora_config()
         if self.build:
             self.build_config()
 
@@ -251,6 +258,14 @@ class TrainConfig:
             except ValueError as e:
                 raise ValueError(f"inference.uses.{name}: {e}") from None
         return out
+
+    def lora_config(self):
+        """The `lora:` section as a `train.lora.LoraTrainConfig`, or None when it is empty."""
+        if not self.lora:
+            return None
+        from train.lora import LoraTrainConfig
+
+        return _nested("lora", LoraTrainConfig, self.lora)
 
     def loss_config(self):
         from sparsekv.losses import LossConfig
@@ -399,8 +414,11 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
             raise ValueError(f"override {item!r}: {e}") from None
         head, dot, sub = key.partition(".")
         if dot:
-            if head not in ("target", "loss", "build", "inference"):
-                raise ValueError(f"override {item!r}: only target., loss., build. and inference. take sub-keys")
+            if head not in ("target", "loss", "build", "inference", "lora"):
+                raise ValueError(
+                    f"override {item!r}: only target., loss., build., inference. and lora. take "
+                    "sub-keys"
+                )
             d.setdefault(head, {})
             d[head] = {**(d[head] or {}), sub: parse_value(raw)}
         else:

@@ -47,7 +47,8 @@ python train.py --config configs/train/<name>.yaml [key=value ...] [--push_to_hu
 accelerate launch [--config_file configs/accelerate/<name>.yaml] train.py --config ... [key=value ...]
 
 Overrides: any config key (max_steps=50 output_dir=checkpoints/x seed=1 resume=never) and nested
-target./loss./build./inference. keys (loss.kl_weight=0.5). Values are read as YAML (null = None)."""
+target./loss./build./inference./lora. keys (loss.kl_weight=0.5). Values are read as YAML (null =
+None). With lora.adapter=DIR only a LoRA is trained, for that adapter (train/lora.py)."""
 
 
 class RunError(ValueError):
@@ -394,6 +395,7 @@ RESUME_FREE_KEYS = {
     "run_name",
     "num_threads",
     "teacher_cache",
+    "lora",  # trained after the head, not checkpointed: it never enters a step-N/ folder
 }
 
 
@@ -497,6 +499,8 @@ class Trainer:
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.acc = make_accelerator(cfg)
+        if cfg.lora and self.acc.num_processes > 1:
+            raise RunError("lora: the LoRA co-adaptation runs in one process; launch with one")
         set_seed(cfg.seed)
         prepare_run_dir(cfg, self.acc)
         with outside_zero3(self.acc):
@@ -504,6 +508,7 @@ class Trainer:
                 cfg.model, cfg.dtype, cfg.attn_implementation, cfg.seed, self.acc.device
             )
         self.data = build_data(cfg, tok, self.acc)
+        self.tokenizer = tok
         self.adapter = build_adapter(cfg, self.model, self.base_id)
         self.adapter.head.to(self.acc.device).train()
         layers = self.adapter.config.layers
@@ -696,6 +701,18 @@ class Trainer:
 
     # -------------------------------------------------------------- end of run
 
+    def co_adapt(self, adapter):
+        """Train the `lora:` section's LoRA for the finished head (train/lora.py); returns
+        (`LoraWeights`, metrics)."""
+        from train import lora as co
+
+        lcfg = self.cfg.lora_config()
+        texts = load_texts(self.cfg.dataset, self.cfg.text_field, self.cfg.dataset_split,
+                           self.cfg.dataset_config, self.cfg.max_documents)
+        train_blocks, eval_blocks = co.lora_blocks(lcfg, texts, self.tokenizer)
+        return co.train_lora(self.model, adapter, lcfg, train_blocks, eval_blocks, self.cfg.seed,
+                             self.cfg.run_dir / co.LORA_METRICS)
+
     def finish(self) -> dict[str, Any]:
         """Write final/ (the adapter, its card carrying the config and last metrics); push it."""
         acc, cfg = self.acc, self.cfg
@@ -721,7 +738,11 @@ class Trainer:
                     + ("last_metrics",)
                 },
             }
-            adapter.save_pretrained(cfg.run_dir / "final")  # atomic (temp folder + rename)
+            lora = None
+            if cfg.lora_config() is not None:  # after the head, with its final settings
+                lora, summary["lora"] = self.co_adapt(adapter)
+                adapter.config.training_config["result"]["lora"] = summary["lora"]
+            adapter.save_pretrained(cfg.run_dir / "final", lora=lora)  # atomic (temp + rename)
             if cfg.push_to_hub:
                 info = adapter.push_to_hub(
                     cfg.push_to_hub,
@@ -750,6 +771,10 @@ class Trainer:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Entry point of train.py: returns the run summary (step, parameter counts, final path)."""
     cfg = parse_args(argv)
+    if cfg.lora and cfg.lora.get("adapter"):  # only a LoRA, for an adapter trained before
+        from train.lora import train_for_adapter
+
+        return train_for_adapter(cfg)
     try:
         trainer = Trainer(cfg)
     except RunError as e:
