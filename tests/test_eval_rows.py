@@ -212,7 +212,7 @@ def test_rows_from_before_adapter_hashes_resume_as_the_current_adapter(tmp_path,
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in legacy))
     capsys.readouterr()
     assert main([*grid, "--resume"]) == 0
-    assert "1 rows of 'learned' carry no adapter_hash" in capsys.readouterr().err
+    assert "rows of 'learned' (1) carry no adapter_hash" in capsys.readouterr().err
     assert _rows(out) == legacy
 
 

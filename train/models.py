@@ -1,19 +1,17 @@
-"""The frozen base model of a run, and the tiny random models used for smoke runs.
+"""The frozen base model of a training run: a thin wrapper over the shared loader
+(`sparsekv.loading`), plus the byte-level tokenizer tiny random models train with.
 
-This module owns turning `TrainConfig.model` into `(model, tokenizer, base_model_id)`:
-"default" is gemma-3-270m (offline, `sparsekv.load_default_model`), "tiny:<family>" is a
-4-layer random model built in-process from the seed (with a byte-level tokenizer, so no
-download is ever needed), anything else is an HF folder or Hub id. The model comes back in eval
-mode with every parameter frozen. It knows nothing about heads, data or optimization.
+`load_model` turns `TrainConfig.model` into `(model, tokenizer, base_model_id)`: "default" is
+gemma-3-270m (offline), "tiny:<family>" a 4-layer random model built in-process from the seed
+(with a `ByteTokenizer`, so no download is ever needed), anything else an HF folder or Hub id.
+It knows nothing about heads, data or optimization.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from sparsekv.default_model import resolve_dtype
-from sparsekv.tiny import tiny_config, tiny_model  # noqa: F401  (re-exported for train.loop)
+from sparsekv.loading import load_model as _load
 
 
 class ByteTokenizer:
@@ -45,23 +43,8 @@ def load_model(
     seed: int = 0,
     device: str | torch.device = "cpu",
 ):
-    """`(model, tokenizer, base_model_id)` for a `TrainConfig.model` spec, frozen, in eval mode."""
-    torch_dtype = resolve_dtype(dtype)
-    if spec == "default":
-        from sparsekv.default_model import DEFAULT_MODEL_ID, load_default_model
-
-        model, tok = load_default_model(torch_dtype, attn_implementation, device)
-        base_id = DEFAULT_MODEL_ID
-    elif spec.startswith("tiny:"):
-        model = tiny_model(spec.removeprefix("tiny:"), attn_implementation=attn_implementation, seed=seed).to(torch_dtype)
-        tok, base_id = ByteTokenizer(model.config.vocab_size), spec
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(
-            spec, dtype=torch_dtype, attn_implementation=attn_implementation
-        )
-        tok, base_id = AutoTokenizer.from_pretrained(spec), spec
-    model.to(device).eval()
-    model.requires_grad_(False)
-    return model, tok, base_id
+    """`(model, tokenizer, base_model_id)` for a `TrainConfig.model` spec, frozen, in eval mode
+    (`sparsekv.loading.load_model`; Hub ids allowed). Tiny models get a `ByteTokenizer`."""
+    loaded = _load(spec, dtype, attn_implementation, seed=seed, device=device, hub=True)
+    tok = ByteTokenizer(loaded.model.config.vocab_size) if loaded.is_tiny else loaded.tokenizer
+    return loaded.model, tok, loaded.base_model_id

@@ -270,12 +270,10 @@ def run_eval(
                     else ""
                 )
                 raise ValueError(kept.conflicts[0] + more)
-            for label, n in kept.legacy.items():
-                print(
-                    f"resume: {n} rows of {label!r} carry no adapter_hash (written before rows recorded it); "
-                    "they are kept as runs of the adapter now at that path",
-                    file=sys.stderr,
-                )
+            if kept.legacy:
+                labels = ", ".join(f"{label!r} ({n})" for label, n in kept.legacy.items())
+                print(f"resume: rows of {labels} carry no adapter_hash (written before rows recorded it); "
+                      "they are kept as runs of the adapters now at those paths", file=sys.stderr)
             done = kept.done
         write_prompts(samples, cfg, out / "prompts.jsonl", keep_others=bool(rows))
         write_config(out, cfg, environment=_environment(model, codec))
