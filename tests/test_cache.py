@@ -131,6 +131,18 @@ def test_prefill_chunk_path_matches_masked_reference(chunk, padded, name):
             assert not ((kept[row] >= 0) & (kept[row] < 5 * row)).any()
 
 
+@pytest.mark.parametrize("fam", ["llama", "gemma3"])
+def test_prefill_chunk_1_generate_on_a_left_padded_batch_equals_the_full_cache(fam):
+    model = tiny_model(fam)
+    ids, mask = _left_padded(3, 20)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    for chunk in (1, 3):
+        cache = SparseKVCache(model, EvictionConfig(budget=1.0, prefill_chunk=chunk), "h2o")
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=5, do_sample=False,
+                             pad_token_id=0)
+        assert torch.equal(out, ref), chunk
+
+
 def test_kept_entries_are_exactly_the_top_scores():
     model = tiny_model("llama")
     cfg = EvictionConfig(budget=0.25, sink_tokens=3, recent_window=5)
