@@ -184,13 +184,13 @@ def test_multiquery_asks_two_keys_scored_as_both_values():
 
 def test_commonwords_answer_is_the_most_common_words():
     s = make_sample("commonwords", CODEC, 2048, 1, seed=0, num_common=4)
-    listed = re.findall(r"^\d+\. ([a-z]+)$", s.context, flags=re.M)
+    listed = re.findall(r"\b\d+\. ([a-z]+)\b", s.context)
     counts = __import__("collections").Counter(listed)
     top = [w for w, _ in counts.most_common(4)]
     assert sorted(top) == sorted(s.answer)
     assert min(counts[w] for w in s.answer) > max(c for w, c in counts.items() if w not in s.answer)
     assert "4 most common words" in s.question or "4 most repeated" in s.question
-    numbers = [int(n) for n in re.findall(r"^(\d+)\. ", s.context, flags=re.M)]
+    numbers = [int(n) for n in re.findall(r"\b(\d+)\. [a-z]", s.context)]
     assert numbers == list(range(1, len(numbers) + 1))
 
 

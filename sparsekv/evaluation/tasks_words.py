@@ -5,9 +5,10 @@
 - uuidkey: the same with UUID-like values (`8-4-4-4-12` hex digits); score = exact match.
 - multiquery: `num_keys` keyed numbers; the question asks for two keys at once; score = recall
   of the two values.
-- commonwords: the context is a long numbered list of words from the evaluation prose's
-  vocabulary; `num_common` words appear `common_freq` times each (by default length/128, up to
-  30), every other word `rare_freq` times; the question asks for the `num_common` most common; score = recall.
+- commonwords: the context is a long numbered list of words on one line ("1. word 2. word
+  ...", as in RULER) from the evaluation prose's vocabulary; `num_common` words appear
+  `common_freq` times each (by default length/128, up to 30), every other word `rare_freq`
+  times; the question asks for the `num_common` most common; score = recall.
 - freqwords: the context is a coded text of made-up words drawn from a Zipf distribution
   (exponent `alpha`); the question asks for the three most frequent; score = recall.
 
@@ -76,7 +77,7 @@ COMMONWORDS = (
       "Memorize the ones that appear most often."),
      "What are the {n} most common words in the list above?",
      "The {n} words that appear most often in the list are:"),
-    ("Here is a long inventory of words, one per line. Some of them repeat many times.",
+    ("Here is a long numbered inventory of words. Some of them repeat many times.",
      "Which {n} words are repeated most often in the inventory above?",
      "The {n} most repeated words in the inventory are:"),
 )
@@ -209,8 +210,8 @@ def _commonwords(rng, codec, length, index, seed, num_common: int = 5, common_fr
         items = [w for w in common for _ in range(common_freq)]
         items += [w for w in rare[:n] for _ in range(rare_freq)]
         random.Random(f"{order_seed}:{n}").shuffle(items)
-        lines = "\n".join(f"{i}. {w}" for i, w in enumerate(items, 1))
-        return f"{wording[0]}\n\n{lines}"
+        listed = " ".join(f"{i}. {w}" for i, w in enumerate(items, 1))  # inline, as in RULER
+        return f"{wording[0]}\n\n{listed}"
 
     question = (f"\n\nQuestion: {wording[1].format(n=num_common)}\n"
                 f"Answer: {wording[2].format(n=num_common)}")
