@@ -43,7 +43,8 @@ WORDKEY = (
     ('The word chosen for {key} is "{value}".', "Which word was chosen for {key}?",
      "The word chosen for {key} is"),
     ("Keep this in mind: the code word assigned to {key} is {value}.",
-     "Which code word is assigned to {key} in the text above?", "The code word assigned to {key} is"),
+     "Which code word is assigned to {key} in the text above?",
+     "The code word assigned to {key} is"),
     ("A note pinned to the wall says that the password of the {key} club is {value}.",
      "What is the password of the {key} club?", "The password of the {key} club is"),
     ("One of the special magic words for {key} is: {value}.",
@@ -90,7 +91,10 @@ FREQWORDS = (
      "The three made-up words that occur most often are:"),
 )
 TEMPLATES: tuple[str, ...] = tuple(
-    t for group in (WORDKEY, UUIDKEY, MULTIQUERY, COMMONWORDS, FREQWORDS) for row in group for t in row
+    t
+    for group in (WORDKEY, UUIDKEY, MULTIQUERY, COMMONWORDS, FREQWORDS)
+    for row in group
+    for t in row
 )
 
 # Ordinary English words for wordkey's values: concrete, common, one token or two.
