@@ -320,3 +320,17 @@ def test_left_padded_row_keeps_what_it_keeps_alone(name, family):
     for idx in batch.budgeted_layers:
         padded, single = batch.layers[idx].positions[1], alone.layers[idx].positions[0]
         assert (padded - pad).tolist() == single.tolist()
+
+
+def test_harness_builds_kvzip_with_its_codec_and_forks_both_peers():
+    from sparsekv.evaluation.config import EvalConfig
+    from sparsekv.evaluation.execute import Runner
+
+    model = _model("gemma3", torch.float32)
+    cfg = EvalConfig(model="tiny:gemma3", policies=["kvzip", "expected_attention"], budgets=[0.3],
+                     tasks=["passkey"], samples=1)
+    runner = Runner(model, CODEC, cfg)
+    built = {spec.spec: runner.build_policy(spec) for spec in cfg.policy_specs}
+    assert built["kvzip"].encode == CODEC.encode
+    forks = runner.plan()
+    assert all(forks.forkable[spec.spec] for spec in cfg.policy_specs)

@@ -81,6 +81,8 @@ class Runner:
         path = self._adapter_path(spec)
         if path is not None:
             return policies.get("learned", adapter=self._adapter(path), **spec.policy_kwargs)
+        if spec.name == "kvzip":  # its repeat prompt becomes ids through the harness's codec
+            return policies.get("kvzip", **{"encode": self.codec.encode, **spec.policy_kwargs})
         return policies.get(spec.name, **spec.policy_kwargs)
 
     @staticmethod
