@@ -20,7 +20,13 @@ HEAD_LAYERS = ("own", "first")
 LEARNED_SETTINGS = ("recency", "kernel_size", "blend", "blend_mode", "head_layer")
 """The learned policy's scoring settings, which an adapter records per use (they do not change
 training)."""
-LEARNED_FALLBACK = {"recency": 0.0, "kernel_size": 1, "blend": 0.0, "blend_mode": "mix", "head_layer": "own"}
+LEARNED_FALLBACK = {
+    "recency": 0.0,
+    "kernel_size": 1,
+    "blend": 0.0,
+    "blend_mode": "mix",
+    "head_layer": "own",
+}
 """The settings of a learned policy whose scorer records none."""
 
 
@@ -30,24 +36,40 @@ def _is_number(x: Any) -> bool:
 
 def check_kernel_size(kernel_size: Any, name: str = "kernel_size") -> int:
     """An odd int >= 1 (a max-pooling width along the sequence)."""
-    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+    if (
+        isinstance(kernel_size, bool)
+        or not isinstance(kernel_size, int)
+        or kernel_size < 1
+        or kernel_size % 2 == 0
+    ):
         raise ValueError(f"{name}={kernel_size!r} must be an odd int >= 1")
     return kernel_size
 
 
-def check_learned_settings(blend: Any, blend_mode: Any, recency: Any, kernel_size: Any, head_layer: Any) -> dict:
+def check_learned_settings(
+    blend: Any, blend_mode: Any, recency: Any, kernel_size: Any, head_layer: Any
+) -> dict:
     """The learned policy's settings checked (shared by the policy and the adapter config, which
     records them per use); returns them normalized (`blend`, `recency` as float)."""
     if not _is_number(blend) or not (0.0 <= blend <= 1.0):
         raise ValueError(f"blend={blend!r} must be a number in [0, 1]")
     if blend_mode not in BLEND_MODES:
-        raise ValueError(f"blend_mode={blend_mode!r} is not supported; allowed values: {', '.join(BLEND_MODES)}")
+        raise ValueError(
+            f"blend_mode={blend_mode!r} is not supported; allowed values: {', '.join(BLEND_MODES)}"
+        )
     if not _is_number(recency) or not (0.0 <= recency < float("inf")):
         raise ValueError(f"recency={recency!r} must be a finite number >= 0")
     if head_layer not in HEAD_LAYERS:
-        raise ValueError(f"head_layer={head_layer!r} is not supported; allowed values: {', '.join(HEAD_LAYERS)}")
-    return {"blend": float(blend), "blend_mode": blend_mode, "recency": float(recency),
-            "kernel_size": check_kernel_size(kernel_size), "head_layer": head_layer}
+        raise ValueError(
+            f"head_layer={head_layer!r} is not supported; allowed values: {', '.join(HEAD_LAYERS)}"
+        )
+    return {
+        "blend": float(blend),
+        "blend_mode": blend_mode,
+        "recency": float(recency),
+        "kernel_size": check_kernel_size(kernel_size),
+        "head_layer": head_layer,
+    }
 
 
 @dataclass
@@ -97,33 +119,48 @@ class EvictionConfig:
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise ValueError(f"budget={b!r} must be a float in (0, 1] or an int >= 1")
         if isinstance(b, float) and not (0.0 < b <= 1.0):
-            raise ValueError(f"budget={b!r}: a float budget is a fraction in (0, 1]; use an int for a token count")
+            raise ValueError(
+                f"budget={b!r}: a float budget is a fraction in (0, 1]; use an int for a token "
+                "count"
+            )
         if isinstance(b, int) and b < 1:
             raise ValueError(f"budget={b!r}: an int budget is a token count >= 1")
         s = self.schedule
         if isinstance(s, (list, tuple)):
             if not s or not all(_is_number(x) and 0.0 < float(x) <= 1.0 for x in s):
-                raise ValueError(f"schedule={s!r}: an explicit schedule is a non-empty list of fractions in (0, 1]")
+                raise ValueError(
+                    f"schedule={s!r}: an explicit schedule is a non-empty list of fractions in "
+                    "(0, 1]"
+                )
             self.schedule = [float(x) for x in s]
         elif s not in SCHEDULES:
-            raise ValueError(f"schedule={s!r} is not supported; allowed values: {', '.join(SCHEDULES)} or a list of fractions")
+            raise ValueError(
+                f"schedule={s!r} is not supported; allowed values: {', '.join(SCHEDULES)} or a "
+                "list of fractions"
+            )
         for name in ("rerank_every", "sink_tokens", "recent_window", "evict_slack"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name}={v!r} must be an int >= 0")
         if self.prefill_chunk is not None and (
-            isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1
+            isinstance(self.prefill_chunk, bool)
+            or not isinstance(self.prefill_chunk, int)
+            or self.prefill_chunk < 1
         ):
             raise ValueError(f"prefill_chunk={self.prefill_chunk!r} must be None or an int >= 1")
         if not _is_number(self.pyramid_slope) or not (0.0 <= self.pyramid_slope < 1.0):
             raise ValueError(f"pyramid_slope={self.pyramid_slope!r} must be in [0, 1)")
         if self.quantize not in QUANTIZE:
-            raise ValueError(f"quantize={self.quantize!r} is not supported; allowed values: None, 'int8'")
+            raise ValueError(
+                f"quantize={self.quantize!r} is not supported; allowed values: None, 'int8'"
+            )
         self._check_layout()
 
     def _check_layout(self) -> None:
         if self.layout not in LAYOUTS:
-            raise ValueError(f"layout={self.layout!r} is not supported; allowed values: {', '.join(LAYOUTS)}")
+            raise ValueError(
+                f"layout={self.layout!r} is not supported; allowed values: {', '.join(LAYOUTS)}"
+            )
         for name in ("max_length", "static_slack"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -132,13 +169,15 @@ class EvictionConfig:
             return
         if isinstance(self.budget, float) and self.max_length is None:
             raise ValueError(
-                f"layout='static' with a fractional budget={self.budget!r} needs max_length (the longest "
+                f"layout='static' with a fractional budget={self.budget!r} needs max_length "
+                "(the longest "
                 "sequence the buffers hold), or give the budget as a token count"
             )
         need = max(self.prefill_chunk or 0, self.evict_slack + 1)
         if self.static_slack is not None and self.static_slack < need:
             raise ValueError(
-                f"static_slack={self.static_slack!r} is too small: one step needs max(prefill_chunk, "
+                f"static_slack={self.static_slack!r} is too small: one step needs "
+                "max(prefill_chunk, "
                 f"evict_slack + 1) = {need} free slots"
             )
 
@@ -150,5 +189,7 @@ class EvictionConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown EvictionConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"unknown EvictionConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}"
+            )
         return cls(**d)

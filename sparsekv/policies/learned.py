@@ -35,8 +35,14 @@ import torch
 from sparsekv.config import BLEND_MODES, HEAD_LAYERS, LEARNED_FALLBACK, check_learned_settings
 from sparsekv.policies.base import Policy, ScoreContext, check_int, max_pool_seq, register
 
-__all__ = ["BLEND_MODES", "HEAD_LAYERS", "LayerScorer", "LearnedPolicy", "check_settings",
-           "set_scorer_loader"]
+__all__ = [
+    "BLEND_MODES",
+    "HEAD_LAYERS",
+    "LayerScorer",
+    "LearnedPolicy",
+    "check_settings",
+    "set_scorer_loader",
+]
 
 check_settings = check_learned_settings  # the name older callers import
 
@@ -84,9 +90,17 @@ class LearnedPolicy(Policy):
 
     needs_hidden_states = True
 
-    def __init__(self, adapter: LayerScorer | str, blend: float | None = None, window: int = 32,
-                 recency: float | None = None, blend_mode: str | None = None,
-                 kernel_size: int | None = None, head_layer: str | None = None, use: str | None = None):
+    def __init__(
+        self,
+        adapter: LayerScorer | str,
+        blend: float | None = None,
+        window: int = 32,
+        recency: float | None = None,
+        blend_mode: str | None = None,
+        kernel_size: int | None = None,
+        head_layer: str | None = None,
+        use: str | None = None,
+    ):
         """`adapter`: a `ScorerAdapter`, a folder or Hub id to load one from, or any `LayerScorer`
         (`score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`).
         `use`: which of the adapter's recorded uses supplies the unset settings ("aware" when
@@ -106,7 +120,8 @@ class LearnedPolicy(Policy):
             adapter = _load_scorer(adapter)
         if not isinstance(adapter, LayerScorer):
             raise ValueError(
-                f"adapter={adapter!r} must be a ScorerAdapter, an adapter folder or Hub repo id, or "
+                f"adapter={adapter!r} must be a ScorerAdapter, an adapter folder or Hub repo "
+                "id, or "
                 "an object with score_layer(layer_idx, hidden_states)"
             )
         if hasattr(adapter, "settings"):
@@ -116,9 +131,16 @@ class LearnedPolicy(Policy):
         else:  # a bare scorer; one with a `config` carrying settings supplies those
             config = getattr(adapter, "config", None)
             recorded = {k: getattr(config, k, v) for k, v in LEARNED_FALLBACK.items()}
-        given = {"blend": blend, "blend_mode": blend_mode, "recency": recency, "kernel_size": kernel_size,
-                 "head_layer": head_layer}
-        settings = check_learned_settings(**{k: recorded[k] if v is None else v for k, v in given.items()})
+        given = {
+            "blend": blend,
+            "blend_mode": blend_mode,
+            "recency": recency,
+            "kernel_size": kernel_size,
+            "head_layer": head_layer,
+        }
+        settings = check_learned_settings(
+            **{k: recorded[k] if v is None else v for k, v in given.items()}
+        )
         self.adapter = adapter
         self.use = use
         self.blend, self.blend_mode = settings["blend"], settings["blend_mode"]
@@ -140,8 +162,11 @@ class LearnedPolicy(Policy):
             check(shape)
 
     def __repr__(self) -> str:
-        return (f"LearnedPolicy(blend={self.blend:g}, blend_mode={self.blend_mode!r}, "
-                f"kernel_size={self.kernel_size}, recency={self.recency:g}, head_layer={self.head_layer!r})")
+        return (
+            f"LearnedPolicy(blend={self.blend:g}, blend_mode={self.blend_mode!r}, "
+            f"kernel_size={self.kernel_size}, recency={self.recency:g}, "
+            f"head_layer={self.head_layer!r})"
+        )
 
     def _adapter_first_layer(self) -> int:
         layers = getattr(getattr(self.adapter, "config", None), "layers", None)
@@ -153,14 +178,20 @@ class LearnedPolicy(Policy):
         out = ctx.carry()
         if ctx.num_new:
             layer = ctx.layer_idx if self._first_layer is None else self._first_layer
-            new = self.adapter.score_layer(layer, ctx.hidden_states).to(out.dtype)  # (b, kv_heads, new)
+            new = self.adapter.score_layer(layer, ctx.hidden_states).to(
+                out.dtype
+            )  # (b, kv_heads, new)
             new = max_pool_seq(new, self.kernel_size)
             if self.recency:
                 pos = ctx.positions[..., -ctx.num_new :].to(out.dtype)
                 new = new + self.recency / 1000.0 * pos
             out[..., out.shape[-1] - ctx.num_new :] = new
         if self.blend > 0:
-            obs = ctx.attention if ctx.phase == "prefill" else (ctx.observed if ctx.phase == "rerank" else None)
+            obs = (
+                ctx.attention
+                if ctx.phase == "prefill"
+                else (ctx.observed if ctx.phase == "rerank" else None)
+            )
             if obs is not None:
                 # Mix standard scores, then map back onto the prior's scale so that tokens
                 # scored later by the head alone stay comparable with the blended ones.
@@ -169,7 +200,10 @@ class LearnedPolicy(Policy):
                     obs = max_pool_seq(obs.float(), self.kernel_size)
                 seen = torch.log(obs.float().clamp_min(1e-9))
                 seen_mean, seen_std = _moments(seen)
-                prior, observed = (1 - self.blend) * (out - mean) / std, self.blend * (seen - seen_mean) / seen_std
+                prior, observed = (
+                    (1 - self.blend) * (out - mean) / std,
+                    self.blend * (seen - seen_mean) / seen_std,
+                )
                 z = torch.maximum(prior, observed) if self.blend_mode == "max" else prior + observed
                 return torch.where(torch.isfinite(out), mean + std * z, out)
         return out
