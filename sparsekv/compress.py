@@ -36,7 +36,8 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -120,11 +121,33 @@ def _policy_for_load(spec: dict[str, Any], policy: Any, path: Path) -> Policy:
             f"{path}: the context was compressed with an adapter of fingerprint {want[:12]}…, "
             f"but policy= has {str(got)[:12]}…: another adapter would score its questions differently"
         )
+    if spec.get("lora") and _adapter_lora(built) is None:
+        raise ValueError(
+            f"{path}: the context was compressed with its adapter's LoRA applied, but policy= "
+            "carries no LoRA; pass the same adapter (with its lora/)"
+        )
     if given["name"] != spec["name"]:
         raise ValueError(
             f"{path}: the context was compressed with {spec['repr']}, not {given['repr']}"
         )
     return built
+
+
+def _adapter_lora(policy: Policy):
+    """The LoRA of the model that the policy's adapter carries (`ScorerAdapter.lora`), or None."""
+    return getattr(getattr(policy, "adapter", None), "lora", None)
+
+
+@contextmanager
+def _lora_applied(model, lora) -> Iterator[None]:
+    """Run the block with `lora` injected into `model` (and removed after), or as is for None."""
+    if lora is None:
+        yield
+        return
+    from sparsekv.adapter_lora import apply_lora
+
+    with apply_lora(model, lora):
+        yield
 
 
 # ---------------------------------------------------------------------- model identity
@@ -276,6 +299,8 @@ class CompressedContext:
         self._tensors = tensors
         self._meta = meta
         self._dtype = _model_dtype(model)
+        # the adapter's LoRA of the model, when the context was compressed with it applied
+        self.lora = _adapter_lora(policy) if policy_spec.get("lora") else None
 
     # ---- what it holds ------------------------------------------------------------------------
     @property
@@ -323,13 +348,14 @@ class CompressedContext:
         q = _as_ids(question_ids, "question_ids", device)
         ids = torch.cat([self.context_ids, q], dim=1)
         mask = torch.ones_like(ids)
-        cache = self.cache()
-        try:
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, cache=cache, **generate_kwargs
-            )
-        finally:
-            cache.close()
+        with _lora_applied(self.model, self.lora):
+            cache = self.cache()
+            try:
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=mask, cache=cache, **generate_kwargs
+                )
+            finally:
+                cache.close()
         n = self.num_tokens
         if isinstance(out, torch.Tensor):
             return out[:, n:]
@@ -443,20 +469,26 @@ class CompressedContext:
 
 @torch.no_grad()
 def compress(
-    model, context_ids: Any, config: EvictionConfig, policy: Any = "snapkv"
+    model, context_ids: Any, config: EvictionConfig, policy: Any = "snapkv", lora: bool = True
 ) -> CompressedContext:
     """Prefill `context_ids` (`(1, n)`, a 1-D tensor or a list of ints) through a
     `SparseKVCache(model, config, policy)` and keep what it kept: a `CompressedContext` whose
     `generate` answers questions without compressing again. `policy`: a name, a `Policy`, or a
-    `ScorerAdapter` (scoring with its recorded "agnostic" use settings)."""
+    `ScorerAdapter` (scoring with its recorded "agnostic" use settings). An adapter that carries
+    a LoRA of the model (co-adaptation) has it applied to the prefill and to every question, as
+    `ScorerAdapter.attach` does, unless `lora=False`."""
     if not isinstance(config, EvictionConfig):
         raise ValueError(f"config must be an EvictionConfig, got {type(config).__name__}")
+    if not isinstance(lora, bool):
+        raise ValueError(f"lora={lora!r} must be True (apply the adapter's LoRA, if any) or False")
     built, spec = _resolve_policy(policy)
+    spec["lora"] = lora and _adapter_lora(built) is not None
     device = next(model.parameters()).device
     ids = _as_ids(context_ids, "context_ids", device)
-    with SparseKVCache(model, config, built) as cache:
-        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        tensors, meta = snapshot(cache)
+    with _lora_applied(model, _adapter_lora(built) if spec["lora"] else None):
+        with SparseKVCache(model, config, built) as cache:
+            model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            tensors, meta = snapshot(cache)
     return CompressedContext(model, config, built, spec, ids, tensors, meta)
 
 

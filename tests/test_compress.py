@@ -190,3 +190,46 @@ def test_text_contexts_answer_each_question_as_a_separate_run(make_tiny_model):
         assert a == tok.decode(ref[0, question.shape[1] : question.shape[1] + 6].tolist(), True)
     with pytest.raises(ValueError, match="list of strings"):
         doc.ask_many("one question")
+
+
+def _random_lora(model):
+    """A LoRA with non-zero weights on k_proj/v_proj of every layer (built on its own model)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from sparsekv.adapter_lora import LoraWeights
+
+    torch.manual_seed(3)
+    cfg = LoraConfig(
+        r=2, lora_alpha=8, target_modules=["k_proj", "v_proj"], init_lora_weights=False
+    )
+    with warnings.catch_warnings():  # peft calls transformers' deprecated is_gradient_checkpointing
+        warnings.simplefilter("ignore", FutureWarning)
+        return LoraWeights.from_peft(get_peft_model(model, cfg))
+
+
+def test_an_adapters_lora_is_applied_to_the_prefill_and_every_question(
+    make_tiny_model, questions, tmp_path
+):
+    from sparsekv.adapter_lora import apply_lora
+
+    model = make_tiny_model("llama")
+    adapter = _adapter(model)
+    adapter.set_lora(_random_lora(make_tiny_model("llama")))
+    config, context = EvictionConfig(**CFG), _ids(100, 7)
+    before = model(input_ids=context).logits
+    ctx = compress(model, context, config, adapter)
+    plain = compress(model, context, config, adapter, lora=False)
+    assert not torch.equal(ctx.state()["layers.0.keys"], plain.state()["layers.0.keys"])
+    with apply_lora(model, adapter.lora):
+        refs = [separate_run(model, context, q, config, adapter) for q in questions]
+    for q, ref in zip(questions, refs):
+        assert torch.equal(ctx.generate(q, **GEN), ref)
+    assert torch.equal(model(input_ids=context).logits, before)  # the LoRA is gone again
+    ctx.save(tmp_path / "c")
+    loaded = CompressedContext.load(tmp_path / "c", model, policy=adapter)
+    assert torch.equal(loaded.generate(questions[0], **GEN), refs[0])
+    bare = _adapter(model)  # same gate, no LoRA: another fingerprint
+    with pytest.raises(ValueError, match="fingerprint|LoRA"):
+        CompressedContext.load(tmp_path / "c", model, policy=bare)
