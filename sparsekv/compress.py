@@ -119,7 +119,8 @@ def _policy_for_load(spec: dict[str, Any], policy: Any, path: Path) -> Policy:
     if want is not None and got != want:
         raise ValueError(
             f"{path}: the context was compressed with an adapter of fingerprint {want[:12]}…, "
-            f"but policy= has {str(got)[:12]}…: another adapter would score its questions differently"
+            f"but policy= has {str(got)[:12]}…: another adapter would score its questions "
+            "differently"
         )
     if spec.get("lora") and _adapter_lora(built) is None:
         raise ValueError(
@@ -223,7 +224,8 @@ def restore(
     cache = SparseKVCache(model, config, policy)
     if len(meta["layers"]) != len(cache.layers):
         raise ValueError(
-            f"the context has {len(meta['layers'])} cache layers but the model has {len(cache.layers)}"
+            f"the context has {len(meta['layers'])} cache layers but the model has "
+            f"{len(cache.layers)}"
         )
     device = next(model.parameters()).device
     for i, (layer, m) in enumerate(zip(cache.layers, meta["layers"])):
@@ -430,8 +432,9 @@ class CompressedContext:
         if meta["model_shape"] != shape:
             diff = sorted(k for k in shape if meta["model_shape"].get(k) != shape[k])
             raise ValueError(
-                f"{folder}: the context was compressed by another model ({meta['model_shape']['model_type']}, "
-                f"differing in {', '.join(diff)}); load it onto the model that compressed it"
+                f"{folder}: the context was compressed by another model "
+                f"({meta['model_shape']['model_type']}, differing in {', '.join(diff)}); load it "
+                "onto the model that compressed it"
             )
         dtype = str(_model_dtype(model)).removeprefix("torch.")
         if meta["dtype"] != dtype:
