@@ -1,121 +1,171 @@
-"""Decode throughput of the evicting cache against the full cache, side by side in one process.
+"""Decode time per step against the re-rank interval, in one process (issue 18, the re-rank study).
 
-    python eval/bench_decode.py                      # default model, 4K-token prompt
-    python eval/bench_decode.py --length 1024 --new-tokens 16 --policies snapkv,h2o
+    python eval/bench_decode.py --prompt 768 --steps 48 --budgets 256 \\
+        --policies learned:checkpoints/gemma3-270m-sparsekv --rerank 0,4,8,16,64 --rounds 10 \\
+        --threads 1 --json docs/results/decode-timing/rows.json
+    python eval/bench_decode.py --length 4096 --new-tokens 32 --budget 0.3 --policies h2o,snapkv
 
-For every policy: budget 0.3 with re-ranking every 4, 16 and 64 decode steps and without
-re-ranking (rerank_every=0). The real-prose prompt is prefilled once; every configuration starts
-from its own compressed copy of that prefill (`SparseKVCache.fork`) and decodes `--new-tokens`
-greedy tokens; only the decode loop is timed. Rounds are interleaved (every
-configuration once per round) and the best round is kept, so background noise hits all alike.
-Prints a Markdown table with tokens/s, the ratio to the full cache and the cost of each re-rank
-interval against the same policy without re-ranking; `--json` writes the rows.
+Every configuration (policy x budget x `rerank_every`, plus the full cache) starts from its own
+prefill of the same real-prose prompt (`--prompt` tokens, more than the budget, so eviction runs
+from the first step) and then feeds the same `--steps` tokens of the text's continuation one at
+a time through the whole model (logits included, as generation does); only those steps are
+timed. Rounds are interleaved: every configuration once per round, in a shuffled order, so the
+machine's background load hits all alike. Per policy and budget, `rerank_every=0` runs twice per
+round (labelled `0` and `0'`): the two are the same configuration, so their difference is the
+measurement noise (the A/A comparison), reported beside the re-rank costs.
+
+Per configuration: the median over rounds of the ms per step; the cost against the same policy
+without re-ranking as the median over rounds of the paired per-round ratio, with a 95% interval
+(bootstrap over rounds); and the re-rank's own time, measured by a clock around
+`EvictingLayer.rerank`, as ms per step and as a share of the decode time. Prints a Markdown table;
+`--json` writes the rows and the run's settings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import random
+import statistics
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from sparsekv import EvictionConfig, SparseKVCache, load_default_model, policies
+from sparsekv.evaluation.codec import HFCodec
+from sparsekv.evaluation.decode import RerankClock
+from sparsekv.evaluation.decode_tasks import DECODE_KIND  # noqa: F401  (registers the tasks)
+from sparsekv.evaluation.tasks import make_sample
 
 
-def prose_ids(tok, length: int) -> torch.Tensor:
-    from sparsekv.evaluation.text import corpus
-
-    text, ids = "", []
-    for doc in corpus():
-        text += " ".join(doc.sentences) + "\n\n"
-        if len(text) > length * 6:
-            ids = tok(text, return_tensors="pt").input_ids
-            if ids.shape[1] >= length:
-                break
-    if ids.shape[1] < length:
-        raise ValueError(f"--length {length}: the prose corpus has only {ids.shape[1]} tokens")
-    return ids[:, :length]
+def text_ids(tok, prompt: int, steps: int) -> tuple[list[int], list[int]]:
+    """`prompt` tokens (bos included) and the next `steps` tokens of evaluation prose."""
+    codec = HFCodec(tok)
+    s = make_sample("decode_prose", codec, steps + prompt, 0, seed=0, prompt_tokens=1, gen_tokens=0)
+    ids = s.context_ids + s.target_ids
+    return ids[:prompt], ids[prompt : prompt + steps]
 
 
 @torch.no_grad()
-def decode_seconds(model, first_token, cache, new_tokens: int) -> tuple[float, int]:
-    """`new_tokens` greedy steps from a prefilled cache (timed). Returns (seconds, kv bytes)."""
-    tok = first_token
+def timed_steps(model, cache, prompt: list[int], steps: list[int]) -> tuple[float, float, int, int]:
+    """Prefill `prompt`, then feed `steps` one token at a time (timed). Returns (decode seconds,
+    re-rank seconds, re-ranks, kv bytes at the end)."""
+    clock = RerankClock(cache)
+    model(input_ids=torch.tensor([prompt]), cache=cache, logits_to_keep=1)
     t0 = time.perf_counter()
-    for _ in range(new_tokens):
-        out = model(input_ids=tok, cache=cache, logits_to_keep=1)
-        tok = out.logits[:, -1:].argmax(-1)
-    return time.perf_counter() - t0, cache.kv_bytes()
+    for tok in steps:
+        model(input_ids=torch.tensor([[tok]]), cache=cache, logits_to_keep=1)
+    secs = time.perf_counter() - t0
+    kv = cache.kv_bytes()
+    cache.close()
+    return secs, clock.seconds, clock.count, kv
+
+
+def _budget(text: str):
+    v = float(text)
+    return int(v) if v.is_integer() and v > 1 else v
+
+
+def _interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of the median of `ratios`."""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--length", type=int, default=4096, help="prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per run")
-    p.add_argument("--budget", type=float, default=0.3)
-    p.add_argument("--policies", default="streaming,h2o,snapkv,pyramidkv,tova,knorm,random")
-    p.add_argument("--rerank", default="0,4,16,64", help="rerank_every values (0 = never)")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--json", default=None, help="write the rows to this file")
+    p.add_argument("--prompt", "--length", dest="prompt", type=int, default=768, help="prompt tokens prefilled")
+    p.add_argument("--steps", "--new-tokens", dest="steps", type=int, default=48, help="decode steps timed per run")
+    p.add_argument("--budgets", "--budget", dest="budgets", default="256",
+                   help="comma-separated budgets: token counts (>1) or fractions in (0, 1]")
+    p.add_argument("--policies", default="learned:checkpoints/gemma3-270m-sparsekv,h2o",
+                   help="comma-separated policies (learned:DIR for a trained scorer)")
+    p.add_argument("--blend", type=float, default=None, help="learned: blend at re-rank (default: the adapter's)")
+    p.add_argument("--blend-mode", default=None, help="learned: mix or max (default: the adapter's)")
+    p.add_argument("--rerank", default="0,4,8,16,64", help="rerank_every values (0 = never)")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--no-full", action="store_true", help="skip the full-cache configuration")
+    p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    model, tok = load_default_model()
-    ids = prose_ids(tok, args.length)
-    # One prefill serves every configuration: `fork` compresses it exactly as each policy's own
-    # prefill would have (tested in tests/test_cache.py), so only decoding differs and is timed.
-    base = SparseKVCache(model, EvictionConfig(budget=1.0), "full", record=("all", "window", "last"))
-    with torch.no_grad():
-        first = model(input_ids=ids, cache=base, logits_to_keep=1).logits[:, -1:].argmax(-1)
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    for n in names:
-        policies.get(n)  # fail early on a bad name
     reranks = [int(r) for r in args.rerank.split(",")]
-    configs = [("full", 0)] + [(n, r) for n in names for r in reranks]
-    best: dict[tuple[str, int], float] = {}
-    kv: dict[tuple[str, int], int] = {}
-    bar = tqdm(total=len(configs) * args.rounds, desc="decode benchmark", unit="run")
+    if 0 not in reranks:
+        raise ValueError(f"--rerank {args.rerank!r} must include 0 (the never-re-rank baseline)")
+    budgets = [_budget(b) for b in args.budgets.split(",")]
+    model, tok = load_default_model()
+    prompt, steps = text_ids(tok, args.prompt, args.steps)
+    kwargs = {k: v for k, v in (("blend", args.blend), ("blend_mode", args.blend_mode)) if v is not None}
+    built = {}
+    for name in (n.strip() for n in args.policies.split(",") if n.strip()):
+        built[name] = policies.get(name, **kwargs) if name.startswith("learned") else policies.get(name)
+    # (label, policy name, budget, rerank_every); "0'" is the A/A twin of rerank_every=0
+    configs = [] if args.no_full else [("full", "full", 1.0, 0)]
+    for name in built:
+        for b in budgets:
+            for r in reranks:
+                configs.append((f"{name}|{b}|{r}", name, b, r))
+            configs.append((f"{name}|{b}|0'", name, b, 0))
+    secs: dict[str, list[float]] = {c[0]: [] for c in configs}
+    rr: dict[str, list[float]] = {c[0]: [] for c in configs}
+    count: dict[str, int] = {}
+    kv: dict[str, int] = {}
+    order = random.Random(0)
+    bar = tqdm(total=len(configs) * args.rounds, desc="decode timing", unit="run")
     for _ in range(args.rounds):
-        for name, r in configs:
-            budget = 1.0 if name == "full" else args.budget
-            cache = base.fork(EvictionConfig(budget=budget, rerank_every=r), name)
-            secs, kv[(name, r)] = decode_seconds(model, first, cache, args.new_tokens)
-            cache.close()
-            best[(name, r)] = min(best.get((name, r), float("inf")), secs)
+        for label, name, b, r in order.sample(configs, len(configs)):
+            policy = "full" if name == "full" else built[name]
+            cache = SparseKVCache(model, EvictionConfig(budget=b, rerank_every=r), policy)
+            s, rs, n, kv[label] = timed_steps(model, cache, prompt, steps)
+            secs[label].append(s)
+            rr[label].append(rs)
+            count[label] = n
             bar.update()
     bar.close()
 
-    full_tps = args.new_tokens / best[("full", 0)]
     rows = []
-    for name, r in configs:
-        tps = args.new_tokens / best[(name, r)]
-        base = best.get((name, 0))
-        rows.append(
-            {
-                "policy": name,
-                "rerank_every": r,
-                "tokens_per_s": round(tps, 2),
-                "vs_full": round(tps / full_tps, 3),
-                "rerank_cost_pct": None if name == "full" or r == 0 else round(100 * (best[(name, r)] / base - 1), 1),
-                "kv_bytes": kv[(name, r)],
-            }
-        )
-    print(f"\nmachine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-          f"prompt {args.length} tokens, {args.new_tokens} decode steps, budget {args.budget}, best of {args.rounds}")
-    print("| policy | rerank_every | tokens/s | vs full | re-rank cost vs none | KV MiB |")
-    print("|---|---|---|---|---|---|")
+    for label, name, b, r in configs:
+        ms = [1000 * s / args.steps for s in secs[label]]
+        row = {"policy": name, "budget": b, "rerank_every": r, "twin": label.endswith("'"),
+               "ms_per_step": round(statistics.median(ms), 3),
+               "rerank_ms_per_step": round(1000 * statistics.median(rr[label]) / args.steps, 4),
+               "rerank_pct_of_decode": round(100 * sum(rr[label]) / sum(secs[label]), 4),
+               "reranks_per_run": count[label], "kv_bytes": kv[label], "rounds": args.rounds}
+        if name != "full" and (r != 0 or row["twin"]):
+            base = secs[f"{name}|{b}|0"]
+            ratios = [x / y for x, y in zip(secs[label], base)]
+            lo, hi = _interval(ratios)
+            row["cost_vs_never_pct"] = round(100 * (statistics.median(ratios) - 1), 2)
+            row["cost_ci95_pct"] = [round(100 * (lo - 1), 2), round(100 * (hi - 1), 2)]
+        rows.append(row)
+    setting = {"prompt_tokens": args.prompt, "steps": args.steps, "rounds": args.rounds, "policies": args.policies,
+               "policy_kwargs": kwargs, "machine": platform.machine(), "processor": platform.processor(),
+               "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+               "load_average_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(f"\n{setting}")
+    print("| policy | budget | rerank_every | ms/step (median) | cost vs never (median, 95% CI) | "
+          "re-rank ms/step (clock) | re-rank % of decode | KV MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        cost = "" if row["rerank_cost_pct"] is None else f"{row['rerank_cost_pct']:+.1f}%"
-        print(f"| {row['policy']} | {row['rerank_every'] or '-'} | {row['tokens_per_s']:.2f} | "
-              f"{row['vs_full']:.2f}x | {cost} | {row['kv_bytes'] / 2**20:.1f} |")
+        r = "-" if row["policy"] == "full" else (f"{row['rerank_every']}'" if row["twin"] else row["rerank_every"])
+        cost = ""
+        if "cost_vs_never_pct" in row:
+            lo, hi = row["cost_ci95_pct"]
+            cost = f"{row['cost_vs_never_pct']:+.1f}% [{lo:+.1f}, {hi:+.1f}]"
+        print(f"| {row['policy']} | {row['budget']} | {r} | {row['ms_per_step']:.1f} | {cost} | "
+              f"{row['rerank_ms_per_step']:.3f} | {row['rerank_pct_of_decode']:.3f} | {row['kv_bytes'] / 2**20:.1f} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"setting": setting, "rows": rows}, indent=1))
+        tmp.replace(path)
     return 0
 
 

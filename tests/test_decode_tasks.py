@@ -23,7 +23,7 @@ DECODE = ("decode_prose", "decode_code", "decode_steps", "decode_recall")
 
 def _synthetic(kind: str) -> list[tuple[str, str]]:
     rng = random.Random(kind)
-    words = "alpha beta gamma delta river stone cloud paper engine garden signal".split()
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "engine", "garden", "signal"]
     docs = []
     for d in range(6):
         sents = [" ".join(rng.choice(words) for _ in range(rng.randrange(5, 12))).capitalize() + "."
@@ -151,7 +151,8 @@ def test_recall_scored_on_the_referring_tokens(codec):
     assert row["new_tokens"] == 0
 
 
-def test_grid_rows_resume_and_report(codec, tmp_path):
+def test_grid_rows_resume_and_report(codec, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path / "cache"))
     cfg = EvalConfig(out=str(tmp_path / "g"), model="tiny:gemma3", tasks=["decode_prose"], lengths=[300],
                      policies=["h2o@rerank_every=0@label=h2o-r0", "tova@rerank_every=4@label=tova-r4"],
                      budgets=[48, 96], samples=1, protocols=["agnostic"],
@@ -170,3 +171,11 @@ def test_grid_rows_resume_and_report(codec, tmp_path):
     assert (tmp_path / "g" / "kl-position-decode_prose-48.png").exists()
     assert (tmp_path / "g" / "kv-position-48.png").exists()
     json.loads((tmp_path / "g" / "results.jsonl").read_text().splitlines()[1])
+    # The reference trace is kept: a grown grid (another process with --only) reuses it, and the
+    # KL of a rerun method is the same.
+    assert len(list((tmp_path / "cache" / "decode-refs").glob("*.pt"))) == 1
+    grown = EvalConfig(**{**cfg.to_dict(), "out": str(tmp_path / "g2")})
+    run_decode_grid(grown, model, codec, progress=False, only={"tova-r4"})
+    again = read_rows(tmp_path / "g2" / "results.jsonl")
+    assert [r["policy"] for r in again] == ["full", "tova-r4", "tova-r4"]
+    assert again[1]["kl_mean"] == pytest.approx(rows[3]["kl_mean"], rel=1e-6)

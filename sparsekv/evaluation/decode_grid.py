@@ -16,21 +16,24 @@ and plots. The runs themselves are `sparsekv.evaluation.decode.run_decode`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
 import platform
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from sparsekv.evaluation import decode_tasks  # noqa: F401  (registers the decode tasks)
+from sparsekv.evaluation import decode_tasks
 from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec
-from sparsekv.evaluation.decode import run_decode
+from sparsekv.evaluation.decode import DecodeTrace, run_decode
 from sparsekv.evaluation.tasks import Sample, get_task, make_sample
 
 _SETUP = ("model", "dtype", "attn_implementation", "seed", "eviction", "task_options")
@@ -99,25 +102,51 @@ def _row(sample: Sample, label: str, spec_text: str, budget, policy=None) -> dic
     return row
 
 
+def _ref_path(cfg: EvalConfig, sample: Sample) -> Path:
+    """Where the full cache's trace of `sample` is kept between runs (outside the results)."""
+    from sparsekv.default_model import cache_dir
+
+    key = json.dumps([cfg.model, cfg.dtype, cfg.attn_implementation, sample.context_ids, sample.target_ids,
+                      sample.max_new_tokens])
+    return cache_dir() / "decode-refs" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt"
+
+
+def reference(model, codec, cfg: EvalConfig, sample: Sample, builder: MethodBuilder):
+    """(row metrics, trace) of the full cache on `sample`, from the trace cache when another run
+    (or process) already computed it; a fresh one is saved there (atomically)."""
+    path = _ref_path(cfg, sample)
+    if path.exists():
+        saved = torch.load(path, weights_only=True)
+        trace = DecodeTrace(**saved["trace"])
+        return saved["row"], trace
+    row, trace = run_decode(model, sample, builder.cache(None, None), None, codec.eos_ids)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save({"row": _clean(row), "trace": {f.name: getattr(trace, f.name) for f in fields(DecodeTrace)}}, tmp)
+    tmp.replace(path)
+    return row, trace
+
+
 def run_sample(model, codec, cfg: EvalConfig, sample: Sample, builder: MethodBuilder,
-               skip: set[tuple[str, str]] = frozenset()) -> Iterator[dict[str, Any]]:
+               skip: set[tuple[str, str]] = frozenset(), only: set[str] | None = None
+               ) -> Iterator[dict[str, Any]]:
     """Rows of one sample: the reference (unless its key is in `skip`), then every policy x
-    budget whose `(label, str(budget))` is not in `skip`. A crashing method yields a row with
-    `error` set."""
+    budget whose `(label, str(budget))` is not in `skip` (and whose label is in `only`, when
+    given). A crashing method yields a row with `error` set."""
     eos = codec.eos_ids
-    ref_row, ref = run_decode(model, sample, builder.cache(None, None), None, eos)
+    ref_row, ref = reference(model, codec, cfg, sample, builder)
     if (REFERENCE, "1.0") not in skip:
         yield {**_row(sample, REFERENCE, REFERENCE, 1.0), **ref_row}
     for spec in cfg.policy_specs:
         for budget in cfg.budgets_of(spec, "agnostic"):
-            if (spec.label, str(budget)) in skip:
+            if (spec.label, str(budget)) in skip or (only is not None and spec.label not in only):
                 continue
             try:
                 cache = builder.cache(spec, budget)
                 row = _row(sample, spec.label, spec.spec, budget, cache.policy)
                 metrics, _ = run_decode(model, sample, cache, ref, eos)
                 row.update(metrics)
-            except Exception as e:  # a crashing method is a measured miss, not a stop
+            except Exception as e:  # noqa: BLE001  (a crashing method is a measured miss, not a stop)
                 row = _row(sample, spec.label, spec.spec, budget)
                 row.update(error=f"{type(e).__name__}: {e}", score=0.0, kl=None, kl_mean=None)
                 print(f"[decode grid] {spec.label}@{budget} on {sample.sample_id} failed: {e}", file=sys.stderr)
@@ -158,8 +187,21 @@ def _check_setup(out: Path, cfg: EvalConfig) -> None:
                              "use another --out")
 
 
-def run_decode_grid(cfg: EvalConfig, model=None, codec=None, progress: bool = True, report: bool = True) -> Path:
-    """Run (or resume) the decode grid of `cfg` into `cfg.out`; returns the folder."""
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """Append one JSON line with a single write on an O_APPEND descriptor, so processes that
+    share a grid folder (each with its own `only`) never interleave their lines."""
+    data = (json.dumps(_clean(row)) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def run_decode_grid(cfg: EvalConfig, model=None, codec=None, progress: bool = True, report: bool = True,
+                    only: set[str] | None = None) -> Path:
+    """Run (or resume) the decode grid of `cfg` into `cfg.out`; returns the folder. `only`: run
+    just the methods with these labels (several processes can share one grid this way)."""
     import transformers
 
     from sparsekv import __version__
@@ -188,15 +230,15 @@ def run_decode_grid(cfg: EvalConfig, model=None, codec=None, progress: bool = Tr
     for r in read_rows(results):
         if not r.get("error"):
             done.setdefault(r["sample_id"], set()).add((r["policy"], str(r["budget"])))
-    want = {(REFERENCE, "1.0")} | {(p.label, str(b)) for p in cfg.policy_specs for b in cfg.budgets_of(p, "agnostic")}
+    want = {(REFERENCE, "1.0")} | {(p.label, str(b)) for p in cfg.policy_specs for b in cfg.budgets_of(p, "agnostic")
+                                   if only is None or p.label in only}
     for sample in decode_samples(cfg, codec):
         have = done.get(sample.sample_id, set())
         if want <= have:
             continue
         t0 = time.perf_counter()
-        for row in run_sample(model, codec, cfg, sample, builder, have):
-            with open(results, "a") as f:
-                f.write(json.dumps(_clean(row)) + "\n")
+        for row in run_sample(model, codec, cfg, sample, builder, have, only):
+            append_row(results, row)
             if progress:
                 print(f"[decode grid] {sample.sample_id} {row['policy']}@{row['budget']}: "
                       f"kl {row.get('kl_mean')} ppl {row.get('ppl')} recall {row.get('recall')} "
@@ -214,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="output folder (default: the config's)")
     p.add_argument("--samples", type=int)
     p.add_argument("--threads", type=int)
+    p.add_argument("--only", help="comma-separated labels: run just these methods (the reference always)")
     p.add_argument("--report-only", action="store_true", help="rewrite the tables and plots of --out")
     args = p.parse_args(argv)
     cfg = EvalConfig.from_yaml(args.config, out=args.out, samples=args.samples, threads=args.threads)
@@ -222,7 +265,13 @@ def main(argv: list[str] | None = None) -> int:
 
         write_decode_report(Path(cfg.out))
         return 0
-    run_decode_grid(cfg)
+    only = {x.strip() for x in args.only.split(",") if x.strip()} if args.only else None
+    if only:
+        unknown = sorted(only - {p.label for p in cfg.policy_specs})
+        if unknown:
+            raise ValueError(f"--only {unknown}: not labels of this grid; labels: "
+                             f"{', '.join(p.label for p in cfg.policy_specs)}")
+    run_decode_grid(cfg, only=only)
     return 0
 
 

@@ -29,9 +29,9 @@ DECODE_KIND = "decode"  # Sample.kind of every task here: run by sparsekv.evalua
 TEXT_KINDS = {"decode_prose": "prose", "decode_code": "code", "decode_steps": "steps"}
 MAX_PROMPT_TOKENS = 512
 
-_FIRST = "Oswin Maribel Tobiah Ysolde Corvin Elspeth Dario Philippa Lazlo Rosamund Ignatius Wren".split()
-_LAST = "Hartley Quenby Vasquez Aldridge Montfort Pellerin Okonkwo Thistlewood Brennan Sokolov".split()
-_WORDS = "glimmerwick tesserand quillock brannet florrowind marrowspan pellucite vantreld".split()
+_FIRST = ["Oswin", "Maribel", "Tobiah", "Ysolde", "Corvin", "Elspeth", "Dario", "Philippa", "Lazlo", "Rosamund", "Ignatius", "Wren"]
+_LAST = ["Hartley", "Quenby", "Vasquez", "Aldridge", "Montfort", "Pellerin", "Okonkwo", "Thistlewood", "Brennan", "Sokolov"]
+_WORDS = ["glimmerwick", "tesserand", "quillock", "brannet", "florrowind", "marrowspan", "pellucite", "vantreld"]
 _MEANINGS = (
     "a lamp that burns only while it rains",
     "a ledger kept in two colours of ink",
@@ -232,13 +232,13 @@ def _decode_recall(rng, codec, length, index, seed, prompt_tokens: int = 256, ge
                             "recall_positions": positions, "facts": facts_meta})
 
 
-_DOC = ("A short prompt of real {} then a long teacher-forced continuation of it: KL from the full "
-        "cache and perplexity per 256-token window while the cache evicts at every step, then a "
-        "greedy generation compared with the full cache's.")
-_register("decode_prose", _decode_prose, "perplexity", _DOC.format("prose"), prompt_tokens=256, gen_tokens=64)
-_register("decode_code", _decode_code, "perplexity", _DOC.format("code"), prompt_tokens=256, gen_tokens=64)
-_register("decode_steps", _decode_steps, "perplexity", _DOC.format("step-by-step text"), prompt_tokens=256,
-          gen_tokens=64)
+_DOC = ("A {}-token prompt of real {} then `length` tokens of its continuation teacher-forced one "
+        "at a time: KL from the full cache and perplexity per 256-token window, then greedy "
+        "agreement.")
+_register("decode_prose", _decode_prose, "perplexity", _DOC.format(256, "prose"), prompt_tokens=256, gen_tokens=64)
+_register("decode_code", _decode_code, "perplexity", _DOC.format(256, "code"), prompt_tokens=256, gen_tokens=64)
+_register("decode_steps", _decode_steps, "perplexity", _DOC.format(256, "numbered procedures"),
+          prompt_tokens=256, gen_tokens=64)
 _register("decode_recall", _decode_recall, "recall",
           "Prose whose continuation states a name, a number and a definition early and refers back "
           "to each 1,000+ tokens later: teacher-forced accuracy of the referring tokens.",
