@@ -13,7 +13,6 @@ ingest), `folder` (lock, prompts.jsonl, config.yaml), `runner` (a grid into its 
 """
 
 from sparsekv.evaluation import decode_tasks as decode_tasks  # registers the decode_* tasks
-from sparsekv.evaluation import decode_tasks as decode_tasks  # registers the decode_* tasks
 from sparsekv.evaluation.config import EvalConfig, PolicySpec, parse_policy
 from sparsekv.evaluation.runner import ingest_rows, run_eval
 from sparsekv.evaluation.tasks import TASKS, Sample, make_sample
