@@ -19,12 +19,14 @@ Format 2 (written by this version), a folder of:
 - optionally `lora/`: a standard PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)
   that `peft.PeftModel.from_pretrained(base_model, "<folder>/lora")` loads on its own.
 
-`uses` maps a use name to the complete learned-policy settings (`recency`, `kernel_size`,
-`blend`, `blend_mode`, `head_layer`) that serve it: `"aware"` (the question is in the prompt
+`uses` maps a use name to the learned-policy settings (`recency`, `kernel_size`, `blend`,
+`blend_mode`, `head_layer`) that serve it (the "aware" entry complete, the others the keys they
+set, the rest following "aware"): `"aware"` (the question is in the prompt
 when the cache is compressed; the defaults, what `attach(model)` applies), `"agnostic"` (a
 context compressed before its question; a fresh adapter records `blend=0, kernel_size=9`) and
 optionally `"decode"` (eviction while generating). In memory the "aware" settings are the
-`AdapterConfig` fields of the same names and `AdapterConfig.uses` holds the other uses.
+`AdapterConfig` fields of the same names and `AdapterConfig.uses` holds the other uses;
+`AdapterConfig.settings(use)` gives the complete settings of any use.
 
 `target` is read tolerantly: keys that this version's `TargetConfig` does not define (a newer
 trainer's target kinds) are kept as recorded, with a warning; they never change how the head
@@ -157,8 +159,8 @@ class AdapterConfig:
     uses: dict[str, dict[str, Any]] = field(
         default_factory=lambda: json.loads(json.dumps(DEFAULT_USES))
     )
-    """Settings per use other than "aware" (whose settings are the five fields above), each a
-    dict over `POLICY_DEFAULTS`; unset keys are filled from "aware" at validation."""
+    """Settings per use other than "aware" (whose settings are the five fields above): for each,
+    the `POLICY_DEFAULTS` keys it sets; the others follow the "aware" fields (`settings(use)`)."""
     lora: str | None = None
     """The adapter folder's LoRA subfolder (a PEFT folder), or None when there is none."""
     sparsekv_version: str = field(default_factory=_version)
@@ -253,9 +255,10 @@ class AdapterConfig:
                     f"{', '.join(POLICY_DEFAULTS)}"
                 )
             try:
-                out[name] = check_learned_settings(**{**aware, **settings})
+                full = check_learned_settings(**{**aware, **settings})
             except ValueError as e:
                 raise ValueError(f"uses[{name!r}]: {e}") from e
+            out[name] = {k: full[k] for k in settings}  # what the use sets; the rest follows aware
         return out
 
     @property
@@ -264,21 +267,27 @@ class AdapterConfig:
         return TargetConfig.from_dict({k: v for k, v in self.target.items() if k in known})
 
     def settings(self, use: str | None = None) -> dict[str, Any]:
-        """The complete learned-policy settings recorded for `use` (None = "aware")."""
+        """The complete learned-policy settings recorded for `use` (None = "aware"): the keys the
+        use sets, the others the current "aware" fields. Validated on every call, so a use
+        edited in place (`config.uses[...] = ...`) is checked too."""
+        aware = {k: getattr(self, k) for k in POLICY_DEFAULTS}
         if use is None or use == "aware":
-            return {k: getattr(self, k) for k in POLICY_DEFAULTS}
-        if use not in self.uses:
+            return check_learned_settings(**aware)
+        if not isinstance(use, str) or use not in self.uses:
             recorded = ", ".join(["aware", *self.uses])
             raise ValueError(
                 f"use={use!r} is not recorded by this adapter; allowed values: {recorded}"
             )
-        return dict(self.uses[use])
+        self._check_uses({use: self.uses[use]}, aware)
+        return check_learned_settings(**{**aware, **self.uses[use]})
 
     def to_dict(self) -> dict[str, Any]:
         """The format-2 `config.json` content (type tag and version first, "aware" in `uses`)."""
         d = asdict(self)
-        aware = {k: d.pop(k) for k in POLICY_DEFAULTS}
-        d["uses"] = {"aware": aware, **d["uses"]}
+        for k in POLICY_DEFAULTS:
+            d.pop(k)
+        uses = self._check_uses(self.uses, self.settings("aware"))  # refuses "aware" among them
+        d["uses"] = {"aware": self.settings("aware"), **uses}
         return {TYPE_KEY: TYPE_TAG, "format_version": FORMAT_VERSION, **d}
 
     @classmethod

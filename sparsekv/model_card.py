@@ -95,7 +95,7 @@ def build_card(
         f"| target | {c.target_config.describe()} |",
         f"| policy defaults | {_settings(c.settings('aware'))} |",
     ]
-    rows += [f"| use `{name}` | {_settings(s)} |" for name, s in c.uses.items()]
+    rows += [f"| use `{name}` | {_settings(c.settings(name))} |" for name in c.uses]
     if c.lora:
         rows.append(
             f"| LoRA | `{c.lora}/` (a PEFT folder), {lora_parameters or 0:,} parameters, "

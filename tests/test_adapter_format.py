@@ -148,6 +148,12 @@ def test_uses_apply_the_recorded_settings_and_a_bad_use_names_the_allowed():
         and decoding.settings("agnostic")["kernel_size"] == 1
     )
     assert decoding.policy(use="decode").recency == 1.0
+    # a use holds the keys it sets; the others follow "aware", also when aware changes later
+    decoding.config.head_layer = "first"
+    assert decoding.settings("agnostic")["head_layer"] == "first"
+    decoding.config.uses["agnostic"] = {"blend": 2.0}  # edited in place: checked when used
+    with pytest.raises(ValueError, match=r"uses\['agnostic'\]: blend=2.0"):
+        decoding.policy(use="agnostic")
 
 
 def test_hub_arguments_reach_snapshot_download(monkeypatch, tmp_path):
