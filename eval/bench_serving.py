@@ -44,10 +44,31 @@ from sparsekv import EvictionConfig, SparseKVCache
 from sparsekv.default_model import resolve_dtype
 from sparsekv.static_layer import finish_steps
 
-MODES = ("dynamic", "static", "0.3", "0.3+int8")
-TINY = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "256,128",
-        "--chunk", "64", "--static-chunk", "32", "--new-tokens", "3", "--warmup-steps", "1",
-        "--memory-gib", "0.05", "--probes", "3", "--compile", "none"]
+MODES = ("static", "0.3", "0.3+int8", "dynamic")  # run in this order: the headline pair first
+TINY = [
+    "--shape",
+    "tiny",
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--lengths",
+    "256,128",
+    "--chunk",
+    "64",
+    "--static-chunk",
+    "32",
+    "--new-tokens",
+    "3",
+    "--warmup-steps",
+    "1",
+    "--memory-gib",
+    "0.05",
+    "--probes",
+    "3",
+    "--compile",
+    "none",
+]
 
 
 def log(msg: str) -> None:
@@ -63,9 +84,14 @@ def make_cache(model, mode: str, length: int, args):
         return DynamicCache(config=model.config)
     if mode == "static":
         return StaticCache(config=model.config, max_cache_len=total)
-    cfg = EvictionConfig(budget=0.3, quantize="int8" if mode.endswith("int8") else None,
-                         prefill_chunk=args.static_chunk, rerank_every=16, layout="static",
-                         max_length=total)
+    cfg = EvictionConfig(
+        budget=0.3,
+        quantize="int8" if mode.endswith("int8") else None,
+        prefill_chunk=args.static_chunk,
+        rerank_every=16,
+        layout="static",
+        max_length=total,
+    )
     return SparseKVCache(model, cfg, "snapkv")
 
 
@@ -76,7 +102,9 @@ def prefill(model, cache, ids, mode: str, chunk: int):
         return model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
     for s in range(0, ids.shape[1], chunk):
         pos = torch.arange(s, min(s + chunk, ids.shape[1]), device=ids.device)[None]
-        out = model(input_ids=ids[:, s : s + chunk], position_ids=pos, cache=cache, logits_to_keep=1)
+        out = model(
+            input_ids=ids[:, s : s + chunk], position_ids=pos, cache=cache, logits_to_keep=1
+        )
     return out.logits[:, -1:].argmax(-1)
 
 
@@ -102,7 +130,9 @@ def replicate(model, cache, batch: int):
 def kv_bytes(cache) -> int:
     if isinstance(cache, SparseKVCache):
         return cache.kv_bytes()
-    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+    return sum(
+        t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None
+    )
 
 
 @torch.no_grad()
@@ -114,13 +144,18 @@ def decode(step, cache, tok, start: int, steps: int, device: str) -> float:
     b = tok.shape[0]
     for i in range(steps):
         pos = torch.full((b, 1), start + i, dtype=torch.long, device=tok.device)
-        tok = step(input_ids=tok, position_ids=pos, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        tok = (
+            step(input_ids=tok, position_ids=pos, cache=cache, logits_to_keep=1)
+            .logits[:, -1:]
+            .argmax(-1)
+        )
     sync()
     return time.perf_counter() - t0
 
 
-def probe(model, mode: str, ids, batch: int, args) -> dict | None:
-    """Prefill, replicate to `batch`, warm up, time `new_tokens` steps. None when out of memory."""
+def probe(model, mode: str, ids, batch: int, args, compiled: bool = True) -> dict | None:
+    """Prefill, replicate to `batch`, warm up, time `new_tokens` steps. None when out of memory.
+    `compiled=False`: eager whatever `--compile` says (the batch-1 probe, for memory only)."""
     n = ids.shape[1]
     cache = step = None
     try:
@@ -128,20 +163,35 @@ def probe(model, mode: str, ids, batch: int, args) -> dict | None:
         tok = prefill(model, cache, ids, mode, args.chunk)
         per_seq = kv_bytes(cache)
         cache = replicate(model, cache, batch)
-        if not args.device.startswith("cuda") and args.weights + kv_bytes(cache) > args.memory_gib * 2**30:
-            raise torch.OutOfMemoryError("over --memory-gib (weights + KV; the cap on a CPU dry run)")
+        if (
+            not args.device.startswith("cuda")
+            and args.weights + kv_bytes(cache) > args.memory_gib * 2**30
+        ):
+            raise torch.OutOfMemoryError(
+                "over --memory-gib (weights + KV; the cap on a CPU dry run)"
+            )
         tok = tok.expand(batch, 1).contiguous()
         step = model
-        if mode != "dynamic" and args.compile != "none":
-            model.forward = torch.compile(model.forward, mode=args.compile, dynamic=False)
+        if compiled and mode != "dynamic" and args.compile != "none":
+            # dynamic=None: after the first batch size, dynamo recompiles once with the batch
+            # (and the slot count) symbolic; later probes only record new CUDA graphs
+            model.forward = torch.compile(model.forward, mode=args.compile)
         t0 = time.perf_counter()
         decode(step, cache, tok, n, args.warmup_steps, args.device)
         warm = time.perf_counter() - t0
         secs = decode(step, cache, tok, n + args.warmup_steps, args.new_tokens, args.device)
         peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else 0
-        return {"mode": mode, "length": n, "batch": batch, "kv_bytes_per_seq": per_seq,
-                "kv_bytes": kv_bytes(cache), "peak_bytes": peak, "warmup_s": warm,
-                "decode_s": secs, "tok_s": batch * args.new_tokens / secs}
+        return {
+            "mode": mode,
+            "length": n,
+            "batch": batch,
+            "kv_bytes_per_seq": per_seq,
+            "kv_bytes": kv_bytes(cache),
+            "peak_bytes": peak,
+            "warmup_s": warm,
+            "decode_s": secs,
+            "tok_s": batch * args.new_tokens / secs,
+        }
     except torch.OutOfMemoryError:
         return None
     finally:
@@ -157,9 +207,16 @@ def probe(model, mode: str, ids, batch: int, args) -> dict | None:
 
 def search(model, mode: str, ids, args, weights: int) -> dict:
     """The largest batch that runs under the cap, within `args.probes` real runs."""
-    one = probe(model, mode, ids, 1, args)
+    one = probe(model, mode, ids, 1, args, compiled=False)
     if one is None:
-        return {"mode": mode, "length": ids.shape[1], "batch": 0, "tok_s": 0.0, "fails_at": 1, "probes": 1}
+        return {
+            "mode": mode,
+            "length": ids.shape[1],
+            "batch": 0,
+            "tok_s": 0.0,
+            "fails_at": 1,
+            "probes": 1,
+        }
     cap = args.memory_gib * 2**30
     work = max(one["peak_bytes"] - weights - one["kv_bytes"], 0)  # activations, logits, graphs
     guess = max(1, int((cap - weights - work) // max(one["kv_bytes_per_seq"], 1)))
@@ -183,22 +240,42 @@ def search(model, mode: str, ids, args, weights: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="CPU dry run at a tiny shape: " + " ".join(TINY))
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="CPU dry run at a tiny shape: " + " ".join(TINY)
+    )
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
-    p.add_argument("--lengths", default="32768,16384,8192", help="prompt lengths, run in this order")
+    p.add_argument(
+        "--lengths", default="32768,16384,8192", help="prompt lengths, run in this order"
+    )
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--chunk", type=int, default=4096, help="prefill chunk of the full-cache modes")
-    p.add_argument("--static-chunk", type=int, default=512,
-                   help="prefill chunk of the budget modes (also the static layout's free room)")
+    p.add_argument(
+        "--static-chunk",
+        type=int,
+        default=512,
+        help="prefill chunk of the budget modes (also the static layout's free room)",
+    )
     p.add_argument("--new-tokens", type=int, default=32, help="timed decode steps per probe")
-    p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps (compile, capture)")
+    p.add_argument(
+        "--warmup-steps", type=int, default=3, help="untimed decode steps (compile, capture)"
+    )
     p.add_argument("--memory-gib", type=float, default=80.0, help="memory cap, enforced on CUDA")
-    p.add_argument("--probes", type=int, default=4, help="real runs per length and mode, batch 1 included")
-    p.add_argument("--compile", default=None, help='"reduce-overhead" (CUDA default), "default", "none" (CPU default)')
-    p.add_argument("--json", default=None, help="append rows here (JSON list, rewritten after each row)")
+    p.add_argument(
+        "--probes", type=int, default=4, help="real runs per length and mode, batch 1 included"
+    )
+    p.add_argument(
+        "--compile",
+        default=None,
+        help='"reduce-overhead" (CUDA default), "default", "none" (CPU default)',
+    )
+    p.add_argument(
+        "--json", default=None, help="append rows here (JSON list, rewritten after each row)"
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     if args.tiny:  # flags given after --tiny's defaults override them
@@ -211,13 +288,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.probes < 1:
         raise SystemExit(f"--probes={args.probes} must be >= 1")
     dtype = resolve_dtype(args.dtype, "--dtype")
+    torch._dynamo.config.recompile_limit = 64  # every mode, batch and length reuses model.forward
+    torch._dynamo.config.accumulated_recompile_limit = 512
     model = build_model(args.shape, dtype, args.device)
     weights = args.weights = sum(t.numel() * t.element_size() for t in model.parameters())
     if args.device.startswith("cuda"):
         total = torch.cuda.get_device_properties(args.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), args.device)
-    log(f"{args.shape} ({weights / 2**30:.1f} GiB weights, {args.dtype}) on {args.device}, cap "
-        f"{args.memory_gib:g} GiB, compile={args.compile}, modes {modes}")
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, args.memory_gib * 2**30 / total), args.device
+        )
+    log(
+        f"{args.shape} ({weights / 2**30:.1f} GiB weights, {args.dtype}) on {args.device}, cap "
+        f"{args.memory_gib:g} GiB, compile={args.compile}, modes {modes}"
+    )
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
     for n in (int(x) for x in args.lengths.split(",")):
@@ -227,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
             row = search(model, mode, ids, args, weights)
             row["search_s"] = time.perf_counter() - t0
             rows.append(row)
-            log(f"{n} {mode}: batch {row['batch']} (fails at {row.get('fails_at')}), "
-                f"{row['tok_s']:.1f} tok/s, {row['search_s']:.0f} s")
+            log(
+                f"{n} {mode}: batch {row['batch']} (fails at {row.get('fails_at')}), "
+                f"{row['tok_s']:.1f} tok/s, {row['search_s']:.0f} s"
+            )
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     print_table(rows, args)
@@ -236,16 +321,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"\n{args.shape}, {args.dtype}, cap {args.memory_gib:g} GiB, {args.new_tokens} timed steps, "
-          f"compile={args.compile}")
+    print(
+        f"\n{args.shape}, {args.dtype}, cap {args.memory_gib:g} GiB, "
+        f"{args.new_tokens} timed steps, "
+        f"compile={args.compile}"
+    )
     print("| length | mode | KV MiB / seq | largest batch run | fails at | tok/s | vs best full |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        full = [x["tok_s"] for x in rows if x["length"] == r["length"] and x["mode"] in ("dynamic", "static")]
+        full = [
+            x["tok_s"]
+            for x in rows
+            if x["length"] == r["length"] and x["mode"] in ("dynamic", "static")
+        ]
         ratio = f"{r['tok_s'] / max(full):.2f}x" if full and max(full) > 0 else "-"
         per_seq = r.get("kv_bytes_per_seq", 0) / 2**20
-        print(f"| {r['length']} | {r['mode']} | {per_seq:.1f} | {r['batch']} | {r.get('fails_at') or '-'} | "
-              f"{r['tok_s']:.1f} | {ratio} |")
+        print(
+            f"| {r['length']} | {r['mode']} | {per_seq:.1f} | {r['batch']} | "
+            f"{r.get('fails_at') or '-'} | "
+            f"{r['tok_s']:.1f} | {ratio} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
 # The GPU checks in one run: the CUDA test suite (bf16/fp16, sdpa, no host syncs while decoding,
-# teacher statistics against float64), the teacher statistics at 8K/16K/32K tokens, and the
-# throughput benchmark (full cache vs. budget 0.3, with and without INT8) on the Llama-3.1-8B
-# shape. Logs and JSON rows go to $OUT (default results/gpu).
+# the static layout: same kept set, decode step captured in CUDA graphs; teacher statistics
+# against float64) and the serving benchmark (eval/bench_serving.py: the largest batch that
+# really runs under an 80 GiB cap and its measured tokens/s, DynamicCache / compiled StaticCache
+# / budget 0.3 / 0.3+INT8 on the static layout, compiled) on the Llama-3.1-8B shape. Opt-in
+# steps, measured on 2026-11-29 (docs/gpu-h200.md): the teacher statistics at 8K/16K/32K and
+# bench_gpu (bf16, fp16). Logs and JSON rows go to $OUT (default results/gpu).
+#
+# Sized for a 15-minute device budget: pytest ~1-2 min (limit 240 s), serving at 32K only by
+# default (limit 480 s; rows are written as they complete, the headline pair first; add 16K/8K
+# with SERVING_LENGTHS=32768,16384,8192 when there is time).
 #
 #   bash eval/gpu_checks.sh                                  # on a CUDA machine
-#   OUT=/tmp/gpu DEVICE=cpu SHAPE=tiny LENGTHS=256,512 DTYPE=float32 bash eval/gpu_checks.sh   # plumbing, on a CPU
+#   OUT=/tmp/gpu DEVICE=cpu SHAPE=tiny LENGTHS=256,512 DTYPE=float32 SERVING_LENGTHS=256 \
+#     SERVING_ARGS=--tiny bash eval/gpu_checks.sh                                 # plumbing, on a CPU
+#
+#   STEPS=serving SERVING_ARGS="--probes 2" bash eval/gpu_checks.sh   # the benchmark alone, quicker
 #
 # Each step has its own time limit, so one slow step cannot starve the others. STEPS picks steps
-# (default: all of pytest teacher bench fp16); PYTEST_K selects tests (-k), PYTEST_ARGS adds flags (-s).
+# (default: pytest serving; also teacher bench fp16); PYTEST_K selects tests (-k), PYTEST_ARGS
+# adds flags (-s); SERVING_LENGTHS, SERVING_ARGS (e.g. --probes, --new-tokens, --memory-gib).
 set -u -o pipefail
 OUT=${OUT:-results/gpu}
 DEVICE=${DEVICE:-cuda}
@@ -16,7 +27,7 @@ SHAPE=${SHAPE:-llama-3.1-8b}
 LENGTHS=${LENGTHS:-8192,16384,32768}
 DTYPE=${DTYPE:-bfloat16}
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-pytest teacher bench fp16}
+STEPS=${STEPS:-pytest serving}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -42,6 +53,9 @@ step() {  # step NAME SECONDS CMD...
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 want pytest && step pytest_cuda "${PYTEST_LIMIT:-240}" env SPARSEKV_TEST_DEVICE="$DEVICE" \
   $PY -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs --durations=5 ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-}
+want serving && step bench_serving "${SERVING_LIMIT:-480}" $PY eval/bench_serving.py --shape "$SHAPE" \
+  --device "$DEVICE" --dtype "$DTYPE" --lengths "${SERVING_LENGTHS:-32768}" ${SERVING_ARGS:-} \
+  --json "$OUT/bench_serving.json"
 want teacher && step teacher "${TEACHER_LIMIT:-150}" $PY eval/bench_teacher.py --shape "$SHAPE" \
   --device "$DEVICE" --dtype "$DTYPE" --lengths "$LENGTHS" --json "$OUT/teacher.json"
 want bench && step bench_gpu "${BENCH_LIMIT:-300}" $PY eval/bench_gpu.py --shape "$SHAPE" --device "$DEVICE" \

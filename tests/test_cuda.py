@@ -1,6 +1,7 @@
 """The CUDA path: every policy in bf16 and fp16 with sdpa, exactness against the masked
-reference, INT8 bytes, device-side eviction, no host syncs while decoding, and the blockwise
-teacher statistics against a float64 reference.
+reference, INT8 bytes, device-side eviction, no host syncs while decoding, the static-capacity
+layout (same kept set as the default layout, no host syncs, a decode step captured in CUDA
+graphs), and the blockwise teacher statistics against a float64 reference.
 
 Skipped without a CUDA device (CI has none); run on a GPU machine with `pytest tests/test_cuda.py`.
 `SPARSEKV_TEST_DEVICE=cpu pytest tests/test_cuda.py` runs the device-independent part on the CPU
@@ -211,3 +212,100 @@ def test_adapter_attach_generates_on_cuda():
     assert out.device.type == torch.device(CUDA).type and out.shape == (1, 88)
     assert next(adapter.head.parameters()).device.type == torch.device(CUDA).type
     assert att.last_cache is not None
+
+
+# ---- the static-capacity layout (EvictionConfig(layout="static"), sparsekv.static_layer) ------
+STATIC = dict(budget=0.3, recent_window=4, sink_tokens=2, rerank_every=4, evict_slack=2,
+              prefill_chunk=16, layout="static", max_length=160)
+
+
+def _static_policies() -> list[str]:
+    """Every policy but those with a repeat pass (KVzip), which the static layout refuses."""
+    from sparsekv.policies.base import _REGISTRY
+
+    return [p for p in policies.available()
+            if not getattr(_REGISTRY[p], "scores_after_prefill", False)]
+
+
+@pytest.mark.parametrize("name", _static_policies())
+def test_static_layout_keeps_the_same_set_on_cuda(name):
+    """float64 on the device (no near-ties from rounding): after every step the static layout
+    keeps exactly the default layout's entries, and the logits agree."""
+    from reference import run_sparse
+
+    model = tiny_model("llama").to(CUDA, torch.float64)
+    ids = _ids(2, 72)
+    steps = [40] + [1] * 24
+    got = {}
+    for layout in ("dynamic", "static"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same untrained head for both layouts (learned)
+            policy = _policy(name, model)
+        cache = SparseKVCache(model, EvictionConfig(**{**STATIC, "layout": layout}), policy)
+        got[layout] = run_sparse(model, cache, ids, steps)
+        cache.close()
+    (ld, sd), (ls, ss) = got["dynamic"], got["static"]
+    for j in range(len(steps)):
+        assert all(torch.equal(sd[j][i], ss[j][i]) for i in sd[j]), (name, j)
+        assert (ld[j][:, -1] - ls[j][:, -1]).abs().max() < 1e-9, (name, j)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_static_layout_generates_in_bf16_on_cuda(family, quantize):
+    model = tiny_model(family).to(CUDA, torch.bfloat16)
+    ids = _ids(2, 96)
+    cache = SparseKVCache(model, EvictionConfig(**{**STATIC, "quantize": quantize}), "snapkv")
+    out = model.generate(ids, cache=cache, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 120)
+    _check_on_device(cache, torch.bfloat16, quantized=quantize == "int8")
+    first = cache.layers[cache.budgeted_layers[0]]
+    assert first.keys.shape[2] < 120 and first._slots.buf["keys"].shape[2] == first.slots
+    cache.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_static_decode_steps_do_not_sync_with_the_host(quantize):
+    model = tiny_model("llama").to(CUDA, torch.bfloat16)
+    cache = SparseKVCache(model, EvictionConfig(**{**STATIC, "quantize": quantize}), "snapkv")
+    tok = model(input_ids=_ids(1, 64), cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+
+    def decode():
+        t = tok
+        for _ in range(24):
+            t = model(input_ids=t, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+
+    ours = [s for s in _sync_sites(decode) if "/sparsekv/" in s]
+    assert not ours, f"host syncs in sparsekv while decoding: {sorted(set(ours))}"
+    cache.close()
+
+
+@needs_cuda
+def test_static_decode_step_is_captured_in_cuda_graphs():
+    """model.forward compiled with mode="reduce-overhead": the decode step runs as CUDA graphs
+    (no cudagraph skip, one compiled graph) and gives the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama").to(CUDA, torch.float32)
+    ids = _ids(1, 40)
+    toks = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        cache = SparseKVCache(model, EvictionConfig(**STATIC), "snapkv")
+        tok = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+        if compiled:
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+        try:
+            out = []
+            for t in range(24):
+                pos = torch.tensor([[40 + t]], device=CUDA)
+                tok = model(input_ids=tok, position_ids=pos, cache=cache).logits[:, -1:].argmax(-1)
+                out.append(tok.clone())
+        finally:
+            model.__dict__.pop("forward", None)
+        toks[compiled] = torch.cat(out, 1)
+        cache.close()
+    assert torch.equal(toks[False], toks[True])
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])

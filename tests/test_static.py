@@ -10,6 +10,10 @@ compare what a user sees: the generated tokens and logits within 1e-5."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -243,8 +247,12 @@ def test_config_round_trips_with_the_layout():
 @pytest.mark.slow
 def test_compiled_decode_step_generates_the_same_tokens():
     """`model.forward` compiled; decode steps pass `position_ids`, so the compiled graph sees
-    fixed shapes only: scoring and eviction run eagerly after it (the forward hook)."""
+    fixed shapes only: scoring and eviction run eagerly after it (the forward hook). One graph,
+    no graph break, no recompilation across 24 steps with evictions and re-ranks."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     model = tiny_model("llama")
     ids = _ids(1, 40)
     toks = {}
@@ -267,3 +275,23 @@ def test_compiled_decode_step_generates_the_same_tokens():
         toks[compiled] = torch.cat(out, 1)
         cache.close()
     assert torch.equal(toks[False], toks[True])
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_bench_serving_dry_run_on_cpu(tmp_path, capsys):
+    """eval/bench_serving.py end to end at a tiny shape: every mode, a batch searched by really
+    running it under the (CPU-simulated) memory cap, measured tokens/s."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    import bench_serving
+
+    out = tmp_path / "rows.json"
+    assert bench_serving.main(["--tiny", "--lengths", "256", "--json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == set(bench_serving.MODES)
+    for r in rows.values():
+        assert r["batch"] >= 1 and r["tok_s"] > 0 and r["length"] == 256
+        assert r["fails_at"] is not None and r["fails_at"] > r["batch"]  # bracketed by real runs
+    assert rows["0.3"]["kv_bytes_per_seq"] < 0.5 * rows["static"]["kv_bytes_per_seq"]
+    assert rows["0.3+int8"]["kv_bytes_per_seq"] < 0.5 * rows["0.3"]["kv_bytes_per_seq"]
+    assert rows["0.3+int8"]["batch"] > rows["0.3"]["batch"] > rows["static"]["batch"]
+    assert "| 256 | 0.3+int8 |" in capsys.readouterr().out
