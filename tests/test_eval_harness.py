@@ -367,7 +367,7 @@ def test_resume_keeps_every_finished_row_and_runs_only_the_missing_ones(run_dir,
 
 
 def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
-    from sparsekv.evaluation.report import _methods, glance, summarize
+    from sparsekv.evaluation.report import glance, method_order, summarize
 
     def row(task, sid, policy, budget, score, kl, spec=None):
         return {"source": "sparsekv", "task": task, "length": 512, "protocol": "agnostic", "sample_id": sid,
@@ -388,7 +388,7 @@ def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
                  row("vartrack", f"v{i}", "b", 0.3, 0.0, 0.1)]
     ss = summarize(rows)
     idx = {(s["source"], s["policy"], s["budget"], s["task"]): s for s in ss}
-    lines = glance(ss, ["passkey", "multikey", "vartrack"], _methods(ss), idx)
+    lines = glance(ss, ["passkey", "multikey", "vartrack"], method_order(ss), idx)
     cells = [[x.strip() for x in ln.strip("|").split("|")] for ln in "\n".join(lines).splitlines() if "@" in ln]
     table = {c[0]: c[1:] for c in cells}
     # a: passkey 100%, multikey 50% (vartrack: the full cache scores 0, left out) -> 75%

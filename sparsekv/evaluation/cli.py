@@ -73,6 +73,10 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--source", help="with --ingest: the name of the rows' producer (e.g. kvpress)")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite the summary and plots of --out (folding in what a stopped run finished)")
+    p.add_argument("--readme-plots", nargs="+", metavar="SERIES",
+                   help="also draw readme_<protocol>_<length>.png for 1-6 methods, named as in the tables "
+                        "(e.g. --readme-plots learned snapkv pyramidkv streaming): retrieval share with its "
+                        "95%% bootstrap interval and mean KL against the budget, n in the title")
     p.add_argument("--list", action="store_true", help="list tasks and policies, then exit")
     p.set_defaults(func=run_eval_command)
     return p
@@ -158,6 +162,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
     if args.list:
         return _list()
+    if args.readme_plots is not None and not 1 <= len(args.readme_plots) <= 6:
+        raise ValueError(f"--readme-plots takes 1 to 6 method names, got {len(args.readme_plots)}")
     if args.ingest or args.report_only:
         if not args.out:
             raise ValueError("--ingest and --report-only need --out (the evaluation folder)")
@@ -178,7 +184,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
                 n = merge_parts(out)
                 if n:
                     print(f"folded {n} finished rows of a stopped run into {out / 'results.jsonl'}")
-                write_reports(out)
+                write_reports(out, args.readme_plots)
         print(f"wrote {out / 'summary.md'}, {out / 'summary.csv'} and plots")
         return 0
     cfg = resolve_config(args)
@@ -199,7 +205,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
                 write_config(out, cfg)
         print(f"wrote {len(samples)} prompts to {out / 'prompts.jsonl'}")
         return 0
-    out = runner.run_eval(cfg, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite)
+    out = runner.run_eval(cfg, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite,
+                          readme_series=args.readme_plots)
     print(f"results in {out}: results.jsonl, summary.csv, summary.md, quality_*.png, kl_*.png, config.yaml",
           file=sys.stderr)
     print((out / "summary.md").read_text())

@@ -220,6 +220,7 @@ def run_eval(
     report: bool = True,
     resume: bool = False,
     overwrite: bool = False,
+    readme_series: list[str] | None = None,
 ) -> Path:
     """Run the grid of `cfg` and write everything into `cfg.out`; returns the folder.
 
@@ -231,7 +232,8 @@ def run_eval(
     dealt round-robin to that many spawned processes (each loads its own model and uses
     `threads` or cores / workers torch threads; `model` serves only to plan and tokenize). Rows
     are appended to `results.part-<k>.jsonl` as they finish and folded into results.jsonl at
-    the end or on a stop. The folder is locked while the run lasts.
+    the end or on a stop. The folder is locked while the run lasts. `readme_series`: also
+    draw the README plots of those methods (`plots.readme_plots`).
     """
     from tqdm.auto import tqdm
 
@@ -322,7 +324,7 @@ def run_eval(
         if report:
             from sparsekv.evaluation.report import write_reports
 
-            write_reports(out)
+            write_reports(out, readme_series)
     return out
 
 
