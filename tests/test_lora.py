@@ -197,6 +197,7 @@ def test_train_py_trains_a_lora_after_the_head_and_for_a_saved_adapter(tmp_path)
     finally:
         torch.set_num_threads(threads)
     # same gate, data and seed: the LoRA trained for the saved adapter is the in-run one, exactly
+    assert (tmp_path / "only" / "config.yaml").read_text().startswith("# Resolved config")
     again = ScorerAdapter.from_pretrained(only["final"])
     assert again.lora is not None and again.fingerprint() == recorded.fingerprint()
     assert only["lora"]["heldout_kl_after"] == summary["lora"]["heldout_kl_after"]

@@ -348,6 +348,7 @@ def train_for_adapter(cfg) -> dict[str, Any]:
     adapter with its LoRA to `<output_dir>/final` (atomically) and the LoRA's log beside it.
     `cfg` is the `TrainConfig`; its model, dataset and seed keys apply."""
     from sparsekv.adapter import ScorerAdapter
+    from train.config import dump_yaml
     from train.data import load_texts
     from train.models import load_model
 
@@ -375,6 +376,9 @@ def train_for_adapter(cfg) -> dict[str, Any]:
     train_blocks, eval_blocks = lora_blocks(lcfg, texts, tok)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / ".config.yaml.tmp"  # the resolved config beside the result, atomically
+    tmp.write_text(dump_yaml(cfg, f"Resolved config of the LoRA run {cfg.run_name!r}"))
+    tmp.replace(run_dir / "config.yaml")
     weights, metrics = train_lora(
         model,
         adapter,
