@@ -58,7 +58,8 @@ def validate_model_spec(spec: Any, hub: bool = False, name: str = "model") -> No
         family = spec.removeprefix("tiny:")
         if family not in TINY_FAMILIES:
             raise ValueError(
-                f"{name}={spec!r}: tiny model family {family!r}; allowed: {', '.join(TINY_FAMILIES)}"
+                f"{name}={spec!r}: tiny model family {family!r}; "
+                f"allowed: {', '.join(TINY_FAMILIES)}"
             )
     elif spec != "default" and not (Path(spec) / "config.json").is_file():
         if not hub:
@@ -84,7 +85,8 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, "dtype")
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(
-            f"attn_implementation={attn_implementation!r}; allowed values: {', '.join(ATTN_IMPLEMENTATIONS)}"
+            f"attn_implementation={attn_implementation!r}; "
+            f"allowed values: {', '.join(ATTN_IMPLEMENTATIONS)}"
         )
     if spec == "default":
         model, tok = load_default_model(torch_dtype, attn_implementation, device)

@@ -56,10 +56,11 @@ class FolderBusyError(ValueError):
 class FolderLock:
     """An exclusive lock on an evaluation folder, held while a command writes into it.
 
-    The lock is an OS file lock (`flock`; `msvcrt.locking` on Windows) on `<folder>/.sparsekv-eval.lock`,
-    which also holds the holder's pid, host, start time and command line for the error message.
-    The OS releases the lock when its process dies, however it dies, so the lock of a killed run
-    is taken over by the next one (with a note naming the dead pid). Use as a context manager."""
+    The lock is an OS file lock (`flock`; `msvcrt.locking` on Windows) on
+    `<folder>/.sparsekv-eval.lock`, which also holds the holder's pid, host, start time and
+    command line for the error message. The OS releases the lock when its process dies, however
+    it dies, so the lock of a killed run is taken over by the next one (with a note naming the
+    dead pid). Use as a context manager."""
 
     def __init__(self, folder: str | Path):
         self.path = Path(folder) / LOCK_NAME
@@ -74,15 +75,16 @@ class FolderLock:
                 os.close(fd)
                 who = (
                     (
-                        f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('started')}: "
-                        f"{holder.get('command')}"
+                        f"pid {holder.get('pid')} on {holder.get('host')}, "
+                        f"since {holder.get('started')}: {holder.get('command')}"
                     )
                     if holder
                     else "another process"
                 )
                 raise FolderBusyError(
-                    f"{self.path.parent} is in use by another sparsekv eval ({who}); two runs never write "
-                    "into one folder at once: wait for it, stop it, or use another --out"
+                    f"{self.path.parent} is in use by another sparsekv eval ({who}); two runs "
+                    "never write into one folder at once: wait for it, stop it, or use another "
+                    "--out"
                 )
             try:  # the holder before us may have removed the file between our open and our lock
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
@@ -94,8 +96,8 @@ class FolderLock:
         old = _read_holder(fd)
         if old.get("pid") not in (None, os.getpid()):
             print(
-                f"[sparsekv eval] took over the lock of {self.path.parent} left by pid {old['pid']} "
-                f"({old.get('command')}), which is no longer running",
+                f"[sparsekv eval] took over the lock of {self.path.parent} left by pid "
+                f"{old['pid']} ({old.get('command')}), which is no longer running",
                 file=sys.stderr,
             )
         info = {
@@ -228,6 +230,6 @@ def check_same_setup(out: Path, cfg: EvalConfig) -> None:
     for k in SETUP_FIELDS:
         if k in old and old[k] != new[k]:
             raise ValueError(
-                f"resume: {out} was run with {k}={old[k]!r}, this grid has {k}={new[k]!r}; rows of two "
-                "settings never share a folder: use another --out (or the same setting)"
+                f"resume: {out} was run with {k}={old[k]!r}, this grid has {k}={new[k]!r}; rows "
+                "of two settings never share a folder: use another --out (or the same setting)"
             )

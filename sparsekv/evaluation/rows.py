@@ -111,8 +111,8 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             if j == len(numbered) - 1:
                 print(
-                    f"[sparsekv eval] {path}:{i}: dropped a torn last line ({len(line)} bytes, a write cut "
-                    f"short by a stop); the {len(rows)} rows before it are kept",
+                    f"[sparsekv eval] {path}:{i}: dropped a torn last line ({len(line)} bytes, a "
+                    f"write cut short by a stop); the {len(rows)} rows before it are kept",
                     file=sys.stderr,
                 )
                 break
@@ -255,15 +255,17 @@ def finished(
     for (kind, label, pr, old, new), rs in clash.items():
         if kind == "spec":
             res.conflicts.append(
-                f"resume: label {label!r} meant {old!r} under {pr} in {out} ({len(rs)} rows), here {new!r}; "
-                "give the new method another @label=NAME to keep both, or add --overwrite to replace those rows"
+                f"resume: label {label!r} meant {old!r} under {pr} in {out} ({len(rs)} rows), "
+                f"here {new!r}; give the new method another @label=NAME to keep both, or add "
+                "--overwrite to replace those rows"
             )
         else:
             res.conflicts.append(
-                f"resume: {len(rs)} rows of {label!r} under {pr} in {out} ran adapter {old[:12]}, but the adapter "
-                f"of {specs[(pr, label)].spec!r} is now {new[:12]} (its weights or scoring settings changed); rows "
-                "of two adapters are never merged under one label: give this one another @label=NAME to keep "
-                "both, add --overwrite to replace those rows, or use another --out"
+                f"resume: {len(rs)} rows of {label!r} under {pr} in {out} ran adapter {old[:12]}, "
+                f"but the adapter of {specs[(pr, label)].spec!r} is now {new[:12]} (its weights or "
+                "scoring settings changed); rows of two adapters are never merged under one label: "
+                "give this one another @label=NAME to keep both, add --overwrite to replace those "
+                "rows, or use another --out"
             )
     return res
 
@@ -284,11 +286,13 @@ def ingest(out: str | Path, rows_path: str | Path, source: str | None = None) ->
         missing = [k for k in REQUIRED_PEER_FIELDS if k not in r]
         if missing:
             raise ValueError(
-                f"{rows_path} row {i}: missing field(s) {missing}; required: {', '.join(REQUIRED_PEER_FIELDS)}"
+                f"{rows_path} row {i}: missing field(s) {missing}; "
+                f"required: {', '.join(REQUIRED_PEER_FIELDS)}"
             )
         if r["sample_id"] not in prompts:
             raise ValueError(
-                f"{rows_path} row {i}: sample_id {r['sample_id']!r} is not in {out / 'prompts.jsonl'}"
+                f"{rows_path} row {i}: sample_id {r['sample_id']!r} is not in "
+                f"{out / 'prompts.jsonl'}"
             )
         s = prompts[r["sample_id"]]
         row = {k: None for k in ROW_FIELDS}

@@ -81,9 +81,9 @@ def _environment(model, codec) -> dict[str, Any]:
 
 def _refuse_fresh(out: Path, n: int) -> None:
     raise ValueError(
-        f"{out} already holds {n} result rows; a fresh run never replaces them silently: add --resume to "
-        "keep them and run only what is missing, --overwrite to rerun this grid replacing its rows (rows "
-        "outside the grid are kept), or give another --out"
+        f"{out} already holds {n} result rows; a fresh run never replaces them silently: add "
+        "--resume to keep them and run only what is missing, --overwrite to rerun this grid "
+        "replacing its rows (rows outside the grid are kept), or give another --out"
     )
 
 
@@ -274,8 +274,11 @@ def run_eval(
                 raise ValueError(kept.conflicts[0] + more)
             if kept.legacy:
                 labels = ", ".join(f"{label!r} ({n})" for label, n in kept.legacy.items())
-                print(f"resume: rows of {labels} carry no adapter_hash (written before rows recorded it); "
-                      "they are kept as runs of the adapters now at those paths", file=sys.stderr)
+                print(
+                    f"resume: rows of {labels} carry no adapter_hash (written before rows "
+                    "recorded it); they are kept as runs of the adapters now at those paths",
+                    file=sys.stderr,
+                )
             done = kept.done
         write_prompts(samples, cfg, out / "prompts.jsonl", keep_others=bool(rows))
         write_config(out, cfg, environment=_environment(model, codec))
@@ -310,8 +313,8 @@ def run_eval(
             bar.close()
             n = merge_parts(out)
             print(
-                f"stopped: {n} rows finished in this run saved to {out / RESULTS} (every finished row is "
-                "kept); rerun with --resume to continue",
+                f"stopped: {n} rows finished in this run saved to {out / RESULTS} (every finished "
+                "row is kept); rerun with --resume to continue",
                 file=sys.stderr,
             )
             raise
