@@ -9,7 +9,10 @@ and time, meaningless text. Modes:
 
 - `dynamic`: transformers' DynamicCache, eager (what `model.generate` does by default);
 - `static`: transformers' StaticCache, decode step compiled (the fair full-cache baseline);
-- `0.3`: SparseKVCache, budget 0.3 (SnapKV scores), `layout="static"`, decode step compiled;
+- `0.3`: SparseKVCache, budget 0.3, `layout="static"`, decode step compiled; scores from
+  `--policy`: "learned" (default: a gating head of the shipped architecture, untrained, with
+  blend 0 as in the query-agnostic use: the scorer's real cost, random choices), "snapkv" (the
+  scores of docs/gpu-h200.md; it also recomputes each step's attention to the kept keys), "knorm";
 - `0.3+int8`: the same, kept entries stored as INT8.
 
 Per length and mode: one sequence is prefilled (in chunks) and its cache (compressed, for the
@@ -92,7 +95,17 @@ def make_cache(model, mode: str, length: int, args):
         layout="static",
         max_length=total,
     )
-    return SparseKVCache(model, cfg, "snapkv")
+    return SparseKVCache(model, cfg, make_policy(model, args.policy))
+
+
+def make_policy(model, name: str):
+    if name != "learned":
+        return name
+    from sparsekv import ScorerAdapter
+
+    torch.manual_seed(0)
+    adapter = ScorerAdapter.for_model(model).to(next(model.parameters()).device)
+    return adapter.policy(blend=0.0)
 
 
 @torch.no_grad()
@@ -260,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         default=512,
         help="prefill chunk of the budget modes (also the static layout's free room)",
     )
+    p.add_argument("--policy", default="learned", choices=["learned", "snapkv", "knorm"],
+                   help="scores of the budget modes (learned: untrained head, blend 0)")
     p.add_argument("--new-tokens", type=int, default=32, help="timed decode steps per probe")
     p.add_argument(
         "--warmup-steps", type=int, default=3, help="untimed decode steps (compile, capture)"
@@ -299,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     log(
         f"{args.shape} ({weights / 2**30:.1f} GiB weights, {args.dtype}) on {args.device}, cap "
-        f"{args.memory_gib:g} GiB, compile={args.compile}, modes {modes}"
+        f"{args.memory_gib:g} GiB, compile={args.compile}, modes {modes}, policy {args.policy}"
     )
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
@@ -309,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             row = search(model, mode, ids, args, weights)
             row["search_s"] = time.perf_counter() - t0
+            row["policy"] = args.policy if mode.startswith("0.3") else None
             rows.append(row)
             log(
                 f"{n} {mode}: batch {row['batch']} (fails at {row.get('fails_at')}), "
@@ -324,7 +340,7 @@ def print_table(rows: list[dict], args) -> None:
     print(
         f"\n{args.shape}, {args.dtype}, cap {args.memory_gib:g} GiB, "
         f"{args.new_tokens} timed steps, "
-        f"compile={args.compile}"
+        f"compile={args.compile}, budget modes scored by {args.policy}"
     )
     print("| length | mode | KV MiB / seq | largest batch run | fails at | tok/s | vs best full |")
     print("|---|---|---|---|---|---|---|")
