@@ -138,7 +138,8 @@ def _var_name(rng: random.Random, taken: set[str]) -> str:
 
 
 @register("vartrack", "answer", max_new_tokens=32, metric="recall", hops=3, chains=2, digits=5)
-def _vartrack(rng, codec, length, index, seed, hops: int = 3, chains: int = 2, digits: int = 5) -> Sample:
+def _vartrack(rng, codec, length, index, seed, hops: int = 3, chains: int = 2,
+              digits: int = 5) -> Sample:
     """Chains of assignments (VAR B = VAR A ...) spread in order over the text, plus distractor
     chains; the question asks for every variable holding the first chain's value (multi-hop)."""
     if hops < 1 or chains < 1:
@@ -201,7 +202,7 @@ def _qa(rng, codec, length, index, seed, cue_words: int = 6, answer_words: int =
 
 # The word, UUID, multi-query and word-count families register here, after the digit ones and
 # before the language-model tasks (the order of `sparsekv eval --list` and of the reports).
-from sparsekv.evaluation import tasks_words
+from sparsekv.evaluation import tasks_words  # noqa: E402
 
 TEMPLATES: tuple[str, ...] = (
     *PASSKEY, MAGIC_NEEDLE, *MULTIKEY, *MULTIVALUE, *VARTRACK, QA_QUESTION, *tasks_words.TEMPLATES

@@ -86,10 +86,15 @@ class TaskSpec:
 TASKS: dict[str, TaskSpec] = {}
 
 
-def register(name: str, kind: str, max_new_tokens: int, metric: str, protocols=PROTOCOLS, **defaults):
+def register(name: str, kind: str, max_new_tokens: int, metric: str, protocols=PROTOCOLS,
+             **defaults):
+    """Decorator: register a sample builder as task `name` (its docstring's first sentence is
+    the task's one-line description in `sparsekv eval --list`)."""
+
     def deco(fn):
         first = " ".join((fn.__doc__ or "").split()).split(". ")[0].rstrip(".") + "."
-        TASKS[name] = TaskSpec(name, kind, fn, max_new_tokens, tuple(protocols), metric, defaults, first)
+        TASKS[name] = TaskSpec(name, kind, fn, max_new_tokens, tuple(protocols), metric, defaults,
+                               first)
         return fn
 
     return deco
@@ -105,7 +110,8 @@ def get_task(name: str) -> TaskSpec:
     return TASKS[name]
 
 
-def make_sample(task: str, codec: Codec, length: int, index: int, seed: int = 0, **options) -> Sample:
+def make_sample(task: str, codec: Codec, length: int, index: int, seed: int = 0,
+                **options) -> Sample:
     """Build sample `index` of `task` at `length` tokens; deterministic in all arguments."""
     spec = get_task(task)
     unknown = sorted(set(options) - set(spec.defaults))
@@ -130,7 +136,10 @@ def make_sample(task: str, codec: Codec, length: int, index: int, seed: int = 0,
 # --------------------------------------------------------------------------- haystack building
 
 
-def prose_filler(rng: random.Random, min_chars: int, avoid: int | None = None) -> list[tuple[str, bool]]:
+Sentences = list[tuple[str, bool]]  # (sentence, opens a paragraph)
+
+
+def prose_filler(rng: random.Random, min_chars: int, avoid: int | None = None) -> Sentences:
     """Contiguous sentences from a seeded place in the corpus (wrapping), >= `min_chars` long."""
     stream = sentence_stream()
     start = rng.randrange(len(stream))
@@ -147,7 +156,7 @@ def prose_filler(rng: random.Random, min_chars: int, avoid: int | None = None) -
     return out
 
 
-def place(items: list[tuple[str, bool]], needles: list[tuple[float, str]]) -> list[tuple[str, bool]]:
+def place(items: Sentences, needles: list[tuple[float, str]]) -> Sentences:
     """Insert each needle as a sentence of its own at the sentence boundary nearest to its depth,
     measured in characters of the filler (so long and short sentences count for what they are)."""
     starts, total = [], 0
@@ -163,6 +172,9 @@ def place(items: list[tuple[str, bool]], needles: list[tuple[float, str]]) -> li
     for pos, _, text in sorted(slots, key=lambda x: (-x[0], -x[1])):
         out.insert(pos, (text, False))
     return out
+
+
+_TOO_SHORT = "length={budget} tokens is too short for this task's needles and question"
 
 
 def search(lo: int, hi: int, make: Callable[[int], Any]) -> tuple[int, Any]:
@@ -228,7 +240,7 @@ def fit(
 
     n, res = search(0, len(filler) - 1, lambda x: fits(x, 0))
     if res is None:
-        raise ValueError(f"length={budget} tokens is too short for this task's needles and question")
+        raise ValueError(_TOO_SHORT.format(budget=budget))
     if n >= len(filler) - 1:
         raise ValueError(f"not enough prose for length={budget} tokens")
     k, res_k = search(1, len(filler[n][0].split()) - 1, lambda x: fits(n, x))
@@ -237,7 +249,7 @@ def fit(
     else:
         k = 0
     if not res[0]:
-        raise ValueError(f"length={budget} tokens is too short for this task's needles and question")
+        raise ValueError(_TOO_SHORT.format(budget=budget))
     return res[0], res[1], q_ids, (n, k)
 
 
