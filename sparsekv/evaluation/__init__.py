@@ -7,9 +7,10 @@
                         budgets=[0.1, 0.3], tasks=["passkey", "ppl"], lengths=[4096], samples=10))
 
 Modules: `text` (real prose), `tasks` (generators), `config` (the grid), `plan` (the grid's
-samples and runs), `execute` (one sample's runs), `rows` (the row store: results.jsonl, resume,
-ingest), `folder` (lock, prompts.jsonl, config.yaml), `runner` (a grid into its folder, workers),
-`metrics`, `report` (summary.csv, summary.md, plots), `models` (which model), `codec` (tokens).
+samples and runs), `execute` (one sample's runs), `outcome` (a run's metrics), `rows` (the row
+store: results.jsonl, resume, ingest), `folder` (lock, prompts.jsonl, config.yaml), `runner` (a
+grid into its folder, workers), `metrics`, `summary` (the numbers), `report` (summary.csv,
+summary.md), `plots` (figures), `models` (which model), `codec` (tokens).
 """
 
 from sparsekv.evaluation import decode_tasks as decode_tasks  # registers the decode_* tasks
