@@ -66,7 +66,7 @@ TINY = [
     "--warmup-steps",
     "1",
     "--memory-gib",
-    "0.05",
+    "0.02",
     "--probes",
     "3",
     "--compile",
