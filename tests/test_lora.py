@@ -122,6 +122,23 @@ def test_saved_lora_subfolder_loads_with_peft_on_its_own(make_tiny_model, tmp_pa
     assert all(torch.equal(state[k], weights.state[k]) for k in state)
     ids = _blocks(1)
     assert not torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    # the held-out report reads the folder back: KL on evaluation prose, gate alone vs + LoRA
+    from train.lora import main
+
+    args = [
+        "--model",
+        "tiny:llama",
+        "--budgets",
+        "0.2",
+        "--blocks",
+        "2",
+        "--context-len",
+        "160",
+        "--continuation-len",
+        "8",
+    ]
+    (row,) = main([str(tmp_path / "a"), *args])
+    assert row["blocks"] == 2 and row["kl_gate"] > 0 and row["kl_gate_lora"] != row["kl_gate"]
 
 
 @pytest.mark.parametrize(

@@ -343,6 +343,82 @@ def train_lora(
     return weights, metrics
 
 
+def heldout_kl(
+    model: nn.Module,
+    tokenizer,
+    adapter,
+    budgets: list[float],
+    blocks: int = 8,
+    context_len: int = 512,
+    continuation_len: int = 64,
+    use: str = "agnostic",
+) -> list[dict[str, Any]]:
+    """KL(full cache || compressed cache) on the evaluation's prose (never trained on), per
+    budget, with the gate alone and with the gate plus the adapter's LoRA: one row per budget
+    (`kl_gate`, `kl_gate_lora`, `blocks`). The first `blocks` blocks of `context_len +
+    continuation_len` tokens of `sparsekv.evaluation.text.eval_texts("prose")`."""
+    from sparsekv.adapter_lora import apply_lora
+    from sparsekv.evaluation.text import eval_texts
+    from train.data import tokenize_blocks
+
+    if adapter.lora is None:
+        raise ValueError("the adapter carries no LoRA (its folder has no lora/ subfolder)")
+    texts = [t for _, t in eval_texts("prose")]
+    ids, _ = tokenize_blocks(tokenizer, texts, context_len + continuation_len, "pack")
+    ids = ids[:blocks].to(next(model.parameters()).device)
+    rows = []
+    for budget in budgets:
+        cfg = LoraTrainConfig(
+            budget=budget, use=use, context_len=context_len, continuation_len=continuation_len
+        )
+        policy, eviction = gate_policy(adapter, cfg), cfg.eviction_config()
+        with trainable_lora(model, cfg) as zero:  # LoRA B = 0: exactly the base model
+            gate = mean_kl(zero, policy, eviction, ids, context_len)
+        with apply_lora(model, adapter.lora) as peft_model:
+            both = mean_kl(peft_model, policy, eviction, ids, context_len)
+        rows.append(
+            {
+                "budget": budget,
+                "blocks": int(ids.shape[0]),
+                "kl_gate": round(gate, 5),
+                "kl_gate_lora": round(both, 5),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """`python -m train.lora ADAPTER [--budgets 0.1,0.2,0.3] [--blocks 8] [--model default]`:
+    the held-out KL of an adapter with and without its LoRA (`heldout_kl`)."""
+    import argparse
+
+    from sparsekv.adapter import ScorerAdapter
+    from train.models import load_model
+
+    p = argparse.ArgumentParser(prog="python -m train.lora", description=main.__doc__)
+    p.add_argument("adapter", help="adapter folder or Hub id with a lora/ subfolder")
+    p.add_argument("--model", default="default", help="default, tiny:<family> or an HF folder")
+    p.add_argument("--budgets", default="0.1,0.2,0.3")
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--context-len", type=int, default=512)
+    p.add_argument("--continuation-len", type=int, default=64)
+    p.add_argument("--use", default="agnostic", choices=USES)
+    args = p.parse_args(argv)
+    try:
+        budgets = [float(b) for b in args.budgets.split(",")]
+    except ValueError:
+        p.error(f"--budgets={args.budgets!r} must be comma-separated fractions, e.g. 0.1,0.2")
+    model, tok, _ = load_model(args.model)
+    adapter = ScorerAdapter.from_pretrained(args.adapter)
+    rows = heldout_kl(
+        model, tok, adapter, budgets, args.blocks, args.context_len, args.continuation_len, args.use
+    )
+    print("| budget | blocks | KL, gate alone | KL, gate + LoRA |\n| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['budget']} | {r['blocks']} | {r['kl_gate']:.4f} | {r['kl_gate_lora']:.4f} |")
+    return rows
+
+
 def train_for_adapter(cfg) -> dict[str, Any]:
     """`lora.adapter` mode of train.py: train only the LoRA for a trained adapter, then write the
     adapter with its LoRA to `<output_dir>/final` (atomically) and the LoRA's log beside it.
@@ -401,3 +477,7 @@ def train_for_adapter(cfg) -> dict[str, Any]:
         f"({metrics['seconds']:.0f} s)"
     )
     return {"final": str(run_dir / "final"), "lora": metrics}
+
+
+if __name__ == "__main__":
+    main()
