@@ -3,10 +3,13 @@
 This module owns the order of events of `train.py`: parse the config, set up accelerate and the
 run folder, load the frozen base model, build the data, create the adapter's gating head and its
 optimizer, resume from the newest checkpoint, train (one frozen teacher forward per micro-batch
-under `torch.no_grad`, gradients only in the head), log, checkpoint, write `final/` and push to
-the Hub. The pieces it composes live elsewhere: teacher targets (sparsekv.teacher), the head
-(sparsekv.scorer), the loss (sparsekv.losses), the adapter format (sparsekv.adapter), the data
-order (train.data) and the checkpoint layout (train.checkpoint).
+under `torch.no_grad`, gradients only in the head), log, checkpoint, train the optional LoRA
+after the head (a `lora:` section), write `final/` and push to the Hub. The pieces it composes
+live elsewhere: teacher targets (sparsekv.teacher), the head (sparsekv.scorer), the loss
+(sparsekv.losses), the adapter format (sparsekv.adapter), the data order (train.data), the
+checkpoint layout (train.checkpoint) and the LoRA co-adaptation (train.lora, which also runs a
+LoRA alone for a saved adapter under `lora.adapter`). Settings that would stop a run later (another
+model than the checkpoint's, `cpu` under DeepSpeed) are `RunError`s: one line, exit status 2.
 """
 
 from __future__ import annotations
