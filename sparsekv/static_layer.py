@@ -120,9 +120,8 @@ class SlotBuffers:
         return b
 
     def assign(self, name: str, value: torch.Tensor | None) -> None:
-        if (
-            value is None or value.ndim < 3
-        ):  # unset (transformers' placeholder is a 1-D empty tensor)
+        # unset (transformers' placeholder is a 1-D empty tensor)
+        if value is None or value.ndim < 3:
             self.buf.pop(name, None)
             self.len.pop(name, None)
             self.changed |= name == "keys"
@@ -132,9 +131,8 @@ class SlotBuffers:
             raise ValueError(f"{name}: {n} entries do not fit in {self.slots} static slots")
         b = self._buffer_for(name, value)
         old = self.len[name]
-        if not (
-            value.data_ptr() == b.data_ptr() and value.stride() == b.stride()
-        ):  # else: the prefix itself
+        prefix = value.data_ptr() == b.data_ptr() and value.stride() == b.stride()
+        if not prefix:  # (the prefix itself needs no copy)
             if value.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
                 value = value.clone()  # another part of the same buffer
             b[:, :, :n].copy_(value)
