@@ -184,6 +184,11 @@ def wiki_to_text(markup: str) -> str:
     t = re.sub(r"\[\[([^\]]*)\]\]", r"\1", t)
     t = re.sub(r"\[https?://[^\s\]]+ ?([^\]]*)\]", r"\1", t)
     t = re.sub(r"'{2,}", "", t)
+    # What removed templates leave behind: "Albedo () or", "auts (, meaning", "ASD , a".
+    t = re.sub(r" ?\(\s*[,;]?\s*\)", "", t)
+    t = re.sub(r"\(\s*[,;]\s*", "(", t)
+    t = re.sub(r"[ \t]+([,.;:])", r"\1", t)
+    t = re.sub(r"[ \t]{2,}", " ", t)
     paras, out = re.split(r"\n\s*\n", t), []
     for par in paras:
         lines = []

@@ -59,6 +59,15 @@ def _is_prose(par: str) -> bool:
     return letters / len(text) >= 0.85
 
 
+def _tidy(text: str) -> str:
+    """Drop what removed non-ASCII words and templates leave behind: "Albedo () or", "auts (,
+    meaning", "in 325 , and", double spaces."""
+    text = re.sub(r" ?\(\s*[,;]?\s*[,;]?\s*\)", "", text)
+    text = re.sub(r"\(\s*[,;]\s*", "(", text)
+    text = re.sub(r" +([,.;:])", r"\1", text)
+    return re.sub(r" {2,}", " ", text)
+
+
 def _split_sentences(text: str) -> list[str]:
     parts = _SENTENCE_END.split(text)
     out: list[str] = []
@@ -81,7 +90,7 @@ def clean_document(source: str, raw: str) -> Document | None:
         if not _is_prose(par):
             continue
         text = re.sub(r"\s+", " ", par).strip()
-        text = text.encode("ascii", "ignore").decode()
+        text = _tidy(text.encode("ascii", "ignore").decode())
         sents = _split_sentences(text)
         if not sents:
             continue
