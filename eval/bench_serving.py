@@ -19,8 +19,9 @@ Per length and mode: one sequence is prefilled (in chunks) and its cache (compre
 budget modes) replicated across the batch; then decode steps run at that batch. The batch is
 searched by really running it under the cap (`torch.cuda.set_per_process_memory_fraction`, so
 an allocation past the cap is an out-of-memory error): the first probe is the batch the measured
-per-sequence bytes predict, then up or down and bisection, `--probes` runs at most. A probe
-counts as fitting when its warm-up (compilation, graph capture) and timed steps all ran. Reported:
+per-sequence bytes predict, then up by 25% (or down by 15% from a failure) and bisection,
+`--probes` runs at most. A probe counts as fitting when its warm-up (compilation, graph capture)
+and timed steps all ran. Reported:
 the largest batch that ran, the smallest that did not (if probed), and the measured decode
 tokens/s at the largest (batch x steps / seconds), with the KV bytes per sequence.
 
@@ -205,7 +206,11 @@ def probe(model, mode: str, ids, batch: int, args, compiled: bool = True) -> dic
             "decode_s": secs,
             "tok_s": batch * args.new_tokens / secs,
         }
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
+            raise
+        if compiled and args.compile != "none":  # a failed capture may leave stale graph state
+            torch._dynamo.reset()
         return None
     finally:
         model.__dict__.pop("forward", None)  # back to the eager forward
@@ -245,6 +250,8 @@ def search(model, mode: str, ids, args, weights: int) -> dict:
             lo, best = batch, row
         if hi is None:  # no failure yet: grow past the estimate
             batch = max(lo + 1, int(lo * 1.25))
+        elif lo < hi // 2:  # only far smaller batches ran: step down from the failure
+            batch = max(lo + 1, int(hi * 0.85))
         else:
             batch = (lo + hi) // 2
             if batch == lo:
@@ -281,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--memory-gib", type=float, default=80.0, help="memory cap, enforced on CUDA")
     p.add_argument(
-        "--probes", type=int, default=4, help="real runs per length and mode, batch 1 included"
+        "--probes", type=int, default=3, help="real runs per length and mode, batch 1 included"
     )
     p.add_argument(
         "--compile",
