@@ -162,3 +162,29 @@ def test_training_synthetic_kinds_cover_the_evaluation_value_types():
             assert uuid_re.search(r["answer"]).group(0) in body
         if r["source"] == "synthetic:words":
             assert r["answer"].rstrip(".").split()[-1].strip("'") in body
+
+
+def test_wiki_markup_and_procedures_are_cleaned():
+    markup = (
+        "'''Albedo''' ({{lang|la|albedo}}) is the [[diffuse reflection|diffuse reflectivity]] of a "
+        "[[surface]].<ref>{{cite web|url=x}}</ref> {{Infobox|a={{b}}}}\n\n"
+        "[[File:A.png|thumb|A [[caption]] here]]\n== History ==\nIt was measured in 1760.\n"
+        "* a list item\n\n== References ==\nGone."
+    )
+    text = sources.wiki_to_text(markup)
+    assert "Albedo is the diffuse reflectivity of a surface." in text
+    assert "It was measured in 1760." in text
+    assert not re.search(r"[\[\]{}|]|caption|list item|Gone|History", text)
+    manual = (
+        "To build it:\n\n  1. Unpack the archive into a\n     fresh folder.\n"
+        "  2. Run the configure script with the defaults.\n"
+        "  3. Type make, then make install as root, and read the log for any errors it shows.\n\n"
+        "Short list:\n1. a\n2. b\n"
+    )
+    (proc,) = sources.procedures(manual)  # the two-item list is not a procedure
+    assert proc.splitlines() == [
+        "To build it:",
+        "1. Unpack the archive into a fresh folder.",
+        "2. Run the configure script with the defaults.",
+        "3. Type make, then make install as root, and read the log for any errors it shows.",
+    ]
