@@ -454,8 +454,10 @@ def test_push_to_hub_exports_the_final_adapter_with_config_and_metrics(
     assert "## Training config" in card and '"max_steps": 2' in card and '"last_metrics"' in card
     from safetensors.torch import load, load_file
 
-    pushed = load(calls["upload"]["adapter_model.safetensors"])
-    final = load_file(out / "final" / "adapter_model.safetensors")
+    from sparsekv.adapter import WEIGHTS_NAME
+
+    pushed = load(calls["upload"][WEIGHTS_NAME])
+    final = load_file(out / "final" / WEIGHTS_NAME)
     assert pushed.keys() == final.keys() and all(torch.equal(pushed[k], final[k]) for k in final)
 
 
