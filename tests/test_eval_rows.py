@@ -90,6 +90,11 @@ def test_a_fresh_run_into_a_folder_with_rows_refuses_and_keeps_them(tmp_path, ca
     assert (out / "results.jsonl").read_text() == before  # ingested peer row included
     assert main([*_grid("0.3"), "--out", str(out), "--resume", "--overwrite"]) == 0
     assert (out / "results.jsonl").read_text() == before  # nothing missing, nothing conflicting
+    capsys.readouterr()
+    assert main([*_grid("0.3"), "--out", str(out), "--overwrite", "--model", "tiny:qwen3"]) == 2
+    err = capsys.readouterr().err
+    assert "holds rows run with model='tiny:llama', this grid has model='tiny:qwen3'" in err
+    assert (out / "results.jsonl").read_text() == before
 
 
 def test_overwrite_replaces_the_grids_slots_and_keeps_every_other_row(tmp_path, peer_rows):

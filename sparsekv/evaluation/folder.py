@@ -230,6 +230,7 @@ def check_same_setup(out: Path, cfg: EvalConfig) -> None:
     for k in SETUP_FIELDS:
         if k in old and old[k] != new[k]:
             raise ValueError(
-                f"resume: {out} was run with {k}={old[k]!r}, this grid has {k}={new[k]!r}; rows "
-                "of two settings never share a folder: use another --out (or the same setting)"
+                f"{out} holds rows run with {k}={old[k]!r}, this grid has {k}={new[k]!r}; rows of "
+                "two settings never share a folder (neither --resume nor --overwrite mixes them): "
+                "use another --out (or the same setting)"
             )
