@@ -8,11 +8,12 @@
     sparsekv eval --config configs/eval/default-4k.yaml --dump-prompts     # prompts only
     sparsekv eval --config configs/eval/default-4k.yaml --resume         # continue, or grow the grid
     sparsekv eval --out results/x --ingest peer_rows.jsonl --source kvpress  # add a peer's rows
-
-Rows are never dropped: a run into a folder that holds rows needs --resume (keep them, run what is
-missing) or --overwrite (rerun the grid, replacing its rows only); a folder is locked while a run
-writes into it.
+    sparsekv eval --out results/x --report-only --readme-plots learned snapkv streaming
     sparsekv eval --list                                                    # tasks and policies
+
+Rows are never dropped: a run into a folder that holds rows needs --resume (keep them, run only
+what is missing) or --overwrite (rerun the grid, replacing its own rows only); a folder is locked
+while a run writes into it.
 """
 
 from __future__ import annotations
