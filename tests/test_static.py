@@ -200,6 +200,25 @@ def test_buffers_are_allocated_once_and_kv_bytes_reports_them():
     cache.close()
 
 
+def test_fork_into_the_static_layout_decodes_like_the_dynamic_fork():
+    """`SparseKVCache.fork` from a recorded prefill, then decode steps: same set, same logits."""
+    model = tiny_model("llama").double()
+    ids = _ids(2, 48)
+    base = SparseKVCache(model, EvictionConfig(budget=1.0), "full", record=("window",))
+    model(input_ids=ids[:, :40], cache=base)
+    got = {}
+    for layout in ("dynamic", "static"):
+        room = {"prefill_chunk": None, "static_slack": 40, "max_length": 128}
+        cfg = EvictionConfig(**{**SMALL, **room, "layout": layout})
+        forked = base.fork(cfg, "snapkv")
+        logits = [model(input_ids=ids[:, i : i + 1], cache=forked).logits for i in range(40, 48)]
+        got[layout] = (torch.cat(logits, 1), {i: forked.layers[i].positions.clone()
+                                               for i in forked.budgeted_layers})
+    (ld, kd), (ls, ks) = got["dynamic"], got["static"]
+    assert (ld - ls).abs().max() < 1e-10
+    assert all(torch.equal(kd[i], ks[i]) for i in kd) and kd[0].shape[-1] < 48
+
+
 def test_entry_names_match_the_cache():
     assert ENTRY_NAMES == _PER_ENTRY
 
