@@ -192,7 +192,10 @@ def trainable_lora(model: nn.Module, cfg: LoraTrainConfig, seed: int = 0) -> Ite
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, peft_config(model, cfg))
     try:
-        peft_model.eval()  # no dropout in the frozen model; LoRA dropout follows cfg.dropout
+        peft_model.eval()  # no dropout in the frozen model ...
+        for name, module in peft_model.named_modules():
+            if name.endswith("lora_dropout"):
+                module.train()  # ... but the LoRA's own dropout (cfg.dropout) stays on
         yield peft_model
     finally:
         peft_model.unload()
