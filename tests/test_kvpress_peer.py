@@ -35,6 +35,13 @@ def _load_peer():
 peer = _load_peer()
 
 
+def peer_module(name: str):
+    """A module of the peer run beside run_presses.py (its folder is on sys.path once loaded)."""
+    import importlib
+
+    return importlib.import_module(name)
+
+
 def _prompts(tmp_path: Path, tasks=("passkey", "ppl", "gen"), length=256) -> Path:
     from sparsekv.evaluation.codec import AsciiCodec
     from sparsekv.evaluation.config import EvalConfig
@@ -117,9 +124,10 @@ def test_plan_counts_and_skips(tmp_path):
     full_ppl = [
         r for r in runs if r[2] is not None and r[2].layers == "full" and r[0]["task"] == "ppl"
     ]
-    assert full_ppl == []  # the full-layers mode would leak teacher-forced targets
-    assert len(runs) == len(refs) + len(refs) * 2 * 2 - 2 * 2  # minus ppl x full x 2 budgets
-    assert plan.skipped() == {peer.CONTINUATION_LEAK: 4}
+    # continuations run in the full-layers mode too: their tokens are fed causally, one by one
+    assert len(full_ppl) == 2 * 2
+    assert len(runs) == len(refs) + len(refs) * 2 * 2
+    assert plan.skipped() == {}
     # each reference comes before the runs that are compared with it
     for i, (s, p, spec, _) in enumerate(runs):
         if spec is not None:
@@ -227,7 +235,7 @@ def test_fake_runner_rows_land_in_the_harness_summary(tmp_path):
     )
     ppl = by[("ppl-256-0", "snapkv-all")]
     assert ppl["kl"] > 0 and ppl["ppl"] > 1 and 0 <= ppl["top1"] <= 1
-    assert ("ppl-256-0", "snapkv-full") not in by  # skipped: continuation in the full-layers mode
+    assert by[("ppl-256-0", "snapkv-full")]["kl"] > 0  # continuations run in both modes
 
     n = ingest_rows(out, rows_path, source="kvpress")
     assert n == len(rows)
@@ -299,7 +307,7 @@ def test_command_line_help_and_dry_run_need_no_kvpress(tmp_path):
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    assert "4 samples, 16 runs" in out.stderr and "snapkv-full 2" in out.stderr
+    assert "4 samples, 20 runs" in out.stderr and "snapkv-full 4" in out.stderr
     out = subprocess.run(
         check=False,
         args=[
@@ -321,3 +329,141 @@ def test_command_line_help_and_dry_run_need_no_kvpress(tmp_path):
     )
     assert out.returncode == 2 and "allowed values: snapkv" in out.stderr
     assert subprocess.run(check=False, args=["bash", "-n", str(PEER / "run.sh")]).returncode == 0
+
+
+def _gate_rows(n: int, wrong: int = 0):
+    ours, theirs = [], []
+    for i in range(n):
+        ids = [5, 6, 7, i]
+        ours.append(
+            {
+                "sample_id": f"s{i}",
+                "protocol": "aware",
+                "policy": "full",
+                "output_ids": ids,
+                "output": " x",
+            }
+        )
+        got = ids + [9, 9] if i >= wrong else [5, 6, 0, i]  # the pipeline decodes further
+        theirs.append(
+            {
+                "sample_id": f"s{i}",
+                "protocol": "aware",
+                "policy": "no-press",
+                "output_ids": got,
+                "output": " y",
+            }
+        )
+    return theirs, ours
+
+
+def test_gate_passes_only_when_the_peer_reproduces_our_full_cache():
+    gate = peer_module("kvp_gate")
+    theirs, ours = _gate_rows(40, wrong=2)  # 38 of 40 agree: 95%
+    v = gate.compare(theirs, ours)
+    assert v["passed"] and v["compared"] == 40 and v["agree"] == 38
+    assert [m["sample_id"] for m in v["mismatches"]] == ["s0", "s1"]
+    theirs, ours = _gate_rows(40, wrong=3)  # 92.5%
+    v = gate.compare(theirs, ours)
+    assert not v["passed"] and "37 of 40" in v["reason"]
+    theirs, ours = _gate_rows(10)  # all agree, but too few prompts to judge
+    v = gate.compare(theirs, ours)
+    assert not v["passed"] and "at least 40" in v["reason"]
+    assert gate.compare(theirs, ours, min_prompts=10)["passed"]
+    with pytest.raises(ValueError, match="threshold"):
+        gate.compare(theirs, ours, threshold=0)
+
+
+def test_gate_command_line_and_torn_rows(tmp_path):
+    theirs, ours = _gate_rows(40, wrong=5)
+    a, b = tmp_path / "kvpress.jsonl", tmp_path / "results.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in theirs) + '{"sample_id": "s4')  # torn
+    b.write_text("".join(json.dumps(r) + "\n" for r in ours))
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(PEER / "kvp_gate.py"),
+            "--peer",
+            str(a),
+            "--reference",
+            str(b),
+            "--out",
+            str(tmp_path / "gate.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1 and "FAILED" in out.stdout
+    verdict = json.loads((tmp_path / "gate.json").read_text())
+    assert verdict["compared"] == 40 and verdict["agree"] == 35 and not verdict["passed"]
+
+
+def test_resume_cuts_a_torn_last_row(tmp_path):
+    rows = peer_module("kvp_rows")
+    path = tmp_path / "kvpress.jsonl"
+    good = {"policy": "no-press", "budget": 1.0, "protocol": "aware", "sample_id": "a"}
+    path.write_text(json.dumps(good) + "\n" + '{"policy": "snapkv-full", "bud')
+    assert rows.resume_keys(path) == {("no-press", "1.0", "aware", "a")}
+    assert path.read_text() == json.dumps(good) + "\n"  # the next row starts on its own line
+    path.write_text("not json\n" + json.dumps(good) + "\n")
+    with pytest.raises(ValueError, match=":1 is not a JSON row"):
+        rows.resume_keys(path)
+
+
+# kvpress's transformers (5.2) takes `past_key_values=`, which 5.24 deprecates for `cache=`
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_questions_are_fed_causally_when_only_full_layers_are_compressed():
+    """The peer's decoding wrapper on a cache whose full-attention layer was compressed while
+    the sliding ones were not: the question goes in one token at a time (positions continuing
+    the context), and every position's logits equal a plain token-by-token reference."""
+    from transformers import DynamicCache
+
+    from sparsekv.tiny import tiny_model
+
+    kp = peer_module("kvp_pipeline")
+    model = tiny_model("gemma3")
+    types = model.config.get_text_config().layer_types
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randint(0, 128, (1, 64), generator=g)
+    q = torch.randint(0, 128, (1, 5), generator=g)
+
+    def compressed():
+        c = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model.model(input_ids=ctx, past_key_values=c)
+        for i, t in enumerate(types):
+            if t == "full_attention":
+                keep = torch.arange(0, 64, 2)
+                c.layers[i].keys = c.layers[i].keys[:, :, keep]
+                c.layers[i].values = c.layers[i].values[:, :, keep]
+        return c
+
+    seen = []
+
+    def pipeline_answer(question_ids, cache, context_length, max_new_tokens):
+        seen.append((question_ids.shape[1], context_length))
+        pos = torch.arange(context_length, context_length + question_ids.shape[1])[None]
+        with torch.no_grad():
+            return model(input_ids=question_ids, past_key_values=cache, position_ids=pos).logits[0]
+
+    runner = object.__new__(kp.KVPressRunner)
+    runner.torch, runner.model, runner.layer_types = torch, model, types
+    runner.metrics, runner._rec = peer.load_harness_metrics(), {}
+    runner._pipeline_answer = pipeline_answer
+    cache = compressed()
+    assert runner._uneven(cache)
+    last = runner._generate_answer(q, cache, 64, 1)[-1]
+    assert seen == [(1, 68)] and runner._rec["fed_one_by_one"]
+    assert runner._rec["lengths"] == [c.keys.shape[-2] for c in compressed().layers]
+    ref = compressed()
+    with torch.no_grad():
+        for i in range(5):
+            want = model(
+                input_ids=q[:, i : i + 1],
+                past_key_values=ref,
+                position_ids=torch.tensor([[64 + i]]),
+            ).logits[0, -1]
+    assert torch.allclose(last, want, atol=1e-6)
+    assert cache.get_seq_length() == ref.get_seq_length() == 69

@@ -5,6 +5,7 @@
 #   bash eval/peers/kvpress/run.sh --results results/x [--budget 0.1,0.3] [run_presses.py flags]
 #   bash eval/peers/kvpress/run.sh --prompts results/x/prompts.jsonl --budget 0.3 --out rows.jsonl
 #   bash eval/peers/kvpress/run.sh --setup-only
+#   bash eval/peers/kvpress/run.sh --gate        # the gate alone on the committed subset (~40 min)
 #
 # --results DIR   an evaluation folder (from `sparsekv eval`, or `sparsekv eval --dump-prompts`):
 #                 reads DIR/prompts.jsonl and DIR/config.yaml (budgets, model), writes
@@ -25,6 +26,7 @@ TORCH_SPEC="${KVPRESS_TORCH:-torch==2.13.0}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 results="" ; prompts="" ; out="" ; model="" ; config="" ; setup_only=0 ; ingest=1 ; help=0
+gate_only=0 ; gate_args=""
 pass=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -34,6 +36,8 @@ while [ $# -gt 0 ]; do
     --model) model="$2"; shift 2 ;;
     --config) config="$2"; shift 2 ;;
     --setup-only) setup_only=1; shift ;;
+    --gate) gate_only=1; shift ;;
+    --gate-min) gate_args="--min-prompts $2"; shift 2 ;;
     --no-ingest) ingest=0; shift ;;
     -h|--help) help=1; shift ;;
     *) pass+=("$1"); shift ;;
@@ -63,6 +67,15 @@ if [ "$help" = 1 ]; then
   exec "$VENV/bin/python" "$HERE/run_presses.py" --help
 fi
 
+if [ "$gate_only" = 1 ]; then
+  # The fixed gate subset: 20 committed learned-4k prompts (5 each of passkey, multikey,
+  # multivalue, vartrack) x both protocols, against sparsekv's committed full-cache rows.
+  tmp="$(mktemp -d)"
+  gzip -dc "$HERE/gate-prompts.jsonl.gz" > "$tmp/prompts.jsonl"
+  prompts="$tmp/prompts.jsonl"
+  out="${out:-$HERE/gate-kvpress.jsonl}"
+  pass+=(--reference-only --protocol agnostic,aware --resume)
+fi
 if [ -n "$results" ]; then
   [ -f "$results/prompts.jsonl" ] || { echo "run.sh: $results/prompts.jsonl not found: run sparsekv eval (or --dump-prompts) with --out $results first" >&2; exit 2; }
   prompts="${prompts:-$results/prompts.jsonl}"
@@ -90,9 +103,20 @@ fi
 args=(--prompts "$prompts" --out "$out" --model "$model")
 [ -n "$config" ] && args+=(--config "$config")
 "$VENV/bin/python" "$HERE/run_presses.py" "${args[@]}" ${pass[@]+"${pass[@]}"}
+if [ "$gate_only" = 1 ]; then
+  exec "$MAIN_PY" "$HERE/kvp_gate.py" --peer "$out" --reference "$HERE/gate-reference.jsonl.gz" \
+    --out "${out%.jsonl}-gate.json" $gate_args
+fi
 
 if [ -n "$results" ] && [ "$ingest" = 1 ]; then
   for a in ${pass[@]+"${pass[@]}"}; do [ "$a" = "--dry-run" ] && exit 0; done
+  # The gate: kvpress's own no-press run must reproduce sparsekv's full cache on these prompts
+  # (same tokens on >= 95% of at least 40 prompts); otherwise its rows stay out of the tables.
+  if ! "$MAIN_PY" "$HERE/kvp_gate.py" --peer "$out" --reference "$results/results.jsonl" \
+      --out "$results/kvpress-gate.json" $gate_args; then
+    echo "[kvpress peer] gate failed: rows kept in $out but not added to $results (see $results/kvpress-gate.json)" >&2
+    exit 1
+  fi
   "$MAIN_PY" -c "
 import sys
 from sparsekv.evaluation import ingest_rows
