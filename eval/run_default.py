@@ -27,6 +27,8 @@ from pathlib import Path
 
 import yaml
 
+from sparsekv.adapter_format import CONFIG_NAME, LEGACY_CONFIG_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIG = "configs/train/gemma3-270m-cpu.yaml"
 EVAL_CONFIG = "configs/eval/learned-4k.yaml"
@@ -89,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
              [*base, "target.cross_layer=per_layer", f"output_dir=checkpoints/{args.run}-perlayer",
               "progress_bar=false"]])
     for a in (adapter, perlayer):
-        if not (ROOT / a / "adapter_config.json").is_file():
-            raise SystemExit(f"adapter {a}: no adapter_config.json there")
+        if not any((ROOT / a / n).is_file() for n in (CONFIG_NAME, LEGACY_CONFIG_NAME)):
+            raise SystemExit(f"adapter {a}: no {CONFIG_NAME} (or format-1 {LEGACY_CONFIG_NAME}) there")
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "pipeline-eval.yaml"
