@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
     p.add_argument("--budget", type=float, default=0.3)
     p.add_argument("--policies", default="kvzip,expected_attention,snapkv")
-    p.add_argument("--out", default="eval/results/prefill", help="folder for prefill.json / prefill.md")
+    p.add_argument("--out", default="docs/results/prefill", help="folder for prefill.json / prefill.md")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.length < 2:
         p.error("--rounds must be >= 1 and --length >= 2")
