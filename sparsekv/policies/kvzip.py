@@ -8,6 +8,9 @@ each budgeted layer, in `ctx.attention` `(batch, kv_heads, seq)`, the maximum at
 repeat paid to each new entry (softmax over the sinks, the chunk and the repeat itself; maximum
 over the query heads of the KV group and the repeat queries). That maximum is the score. Under
 the query-aware protocol the prefill is the whole prompt, so the repeat covers the question too.
+The sinks in that softmax are the cache's `sink_tokens` first real tokens (kvpress: 4, the
+cache's default). The repeat input is the prompt text then the chunk, with no chat-turn markers
+(sparsekv's default model is a base model; kvpress appends a newline there instead).
 
 Eviction is top-k per layer and KV head (KVzip's "uniform" variant; the original thresholds
 globally across layers and heads). A later multi-token forward (a question appended to a
