@@ -22,3 +22,20 @@ def test_model_info_json(capsys, default_model):
 def test_model_info_bad_dtype(capsys):
     assert main(["model-info", "--dtype", "float13"]) == 2
     assert "--dtype='float13'" in capsys.readouterr().err
+
+
+def test_eval_refuses_a_head_trained_for_another_model(tmp_path, capsys):
+    """`sparsekv eval --policy learned:DIR` with a head for another model: exit 2 before any run,
+    the error naming the policy, and no result rows."""
+    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.tiny import tiny_model
+
+    ScorerAdapter.for_model(tiny_model("llama")).save_pretrained(tmp_path / "llama-head")
+    out = tmp_path / "eval"
+    argv = ["eval", "--model", "tiny:qwen3", "--policy", f"learned:{tmp_path / 'llama-head'}",
+            "--tasks", "passkey", "--lengths", "128", "--samples", "1", "--budget", "0.5",
+            "--out", str(out), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "learned:" in err and "llama-head" in err
+    assert not (out / "results.jsonl").exists() or not (out / "results.jsonl").read_text().strip()

@@ -98,11 +98,16 @@ class Runner:
         """Build every policy of the grid once (an unloadable adapter fails here, before any
         work), take each learned policy's adapter fingerprint (`hashes`, by spec text), and
         decide which methods fork from the shared prefill (`plan.plan_forks`)."""
+        from sparsekv.families import model_shape
+
+        shape = model_shape(self.model)
         built = {}
         for spec in self.cfg.policy_specs:
             try:
                 built[spec.spec] = self.build_policy(spec)
-            except OSError as e:  # an adapter that is neither a folder nor a reachable Hub repo
+                # a head trained for another model is refused before any work, not per row
+                built[spec.spec].check_model(shape)
+            except (OSError, ValueError) as e:  # OSError: neither a folder nor a Hub repo
                 raise ValueError(f"policy {spec.spec!r}: {e}") from e
         self.hashes = {spec.spec: self.adapter_hash(spec) for spec in self.cfg.policy_specs}
         self.forks = plan_forks(self.cfg, built)
