@@ -91,15 +91,45 @@ class MethodBuilder:
         return SparseKVCache(self.model, config, self.policy(spec))
 
 
-def _row(sample: Sample, label: str, spec_text: str, budget, policy=None) -> dict[str, Any]:
-    row = {"source": "sparsekv", "sample_id": sample.sample_id, "task": sample.task,
-           "length": sample.metadata["target_length"], "n_tokens": sample.metadata["n_tokens"],
-           "protocol": "agnostic", "policy": label, "policy_spec": spec_text, "budget": budget,
-           "answer": sample.answer, "error": None}
-    if policy is not None and hasattr(policy, "blend"):
-        row["policy_settings"] = {"blend": policy.blend, "blend_mode": policy.blend_mode,
-                                  "kernel_size": policy.kernel_size, "head_layer": policy.head_layer}
-    return row
+def _row(sample: Sample, label: str, spec_text: str, budget) -> dict[str, Any]:
+    return {"source": "sparsekv", "sample_id": sample.sample_id, "task": sample.task,
+            "length": sample.metadata["target_length"], "n_tokens": sample.metadata["n_tokens"],
+            "protocol": "agnostic", "policy": label, "policy_spec": spec_text, "budget": budget,
+            "answer": sample.answer, "error": None}
+
+
+def _settings(policy) -> dict[str, Any]:
+    """The learned policy's scoring settings, recorded on its rows."""
+    if not hasattr(policy, "blend"):
+        return {}
+    return {"policy_settings": {"blend": policy.blend, "blend_mode": policy.blend_mode,
+                                "kernel_size": policy.kernel_size, "head_layer": policy.head_layer}}
+
+
+class RunnerMethods:
+    """The `builder` of `run_sample` over the harness's `Runner` (`sparsekv eval`): its
+    policies (adapters loaded once) and per-method eviction settings."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def cache(self, spec: PolicySpec | None, budget):
+        from sparsekv import EvictionConfig, SparseKVCache
+
+        if spec is None:
+            return SparseKVCache(self.runner.model, EvictionConfig(budget=1.0), "full")
+        return SparseKVCache(self.runner.model, self.runner.eviction_config(spec, budget),
+                             self.runner.build_policy(spec))
+
+
+def decode_rows(runner, sample: Sample, skip=frozenset()) -> Iterator[dict[str, Any]]:
+    """The rows of one decode sample for `sparsekv eval` (`execute.Runner.run_group` hands its
+    decode samples here): the harness's row fields, then this module's metrics."""
+    def base(label, spec_text, budget, spec):
+        return runner._row(sample, "agnostic", label, spec_text, budget, spec)
+
+    yield from run_sample(runner.model, runner.codec, runner.cfg, sample, RunnerMethods(runner), set(skip),
+                          None, base)
 
 
 def _ref_path(cfg: EvalConfig, sample: Sample) -> Path:
@@ -127,27 +157,30 @@ def reference(model, codec, cfg: EvalConfig, sample: Sample, builder: MethodBuil
     return row, trace
 
 
-def run_sample(model, codec, cfg: EvalConfig, sample: Sample, builder: MethodBuilder,
-               skip: set[tuple[str, str]] = frozenset(), only: set[str] | None = None
-               ) -> Iterator[dict[str, Any]]:
+def run_sample(model, codec, cfg: EvalConfig, sample: Sample, builder,
+               skip: set[tuple[str, str]] = frozenset(), only: set[str] | None = None,
+               base=None) -> Iterator[dict[str, Any]]:
     """Rows of one sample: the reference (unless its key is in `skip`), then every policy x
     budget whose `(label, str(budget))` is not in `skip` (and whose label is in `only`, when
-    given). A crashing method yields a row with `error` set."""
+    given). `builder` has `cache(spec or None, budget)` (a `MethodBuilder`); `base(label,
+    spec_text, budget, spec)` starts a row (default: this module's fields). A crashing method
+    yields a row with `error` set."""
     eos = codec.eos_ids
     ref_row, ref = reference(model, codec, cfg, sample, builder)
     if (REFERENCE, "1.0") not in skip:
-        yield {**_row(sample, REFERENCE, REFERENCE, 1.0), **ref_row}
+        start = base(REFERENCE, REFERENCE, 1.0, None) if base else _row(sample, REFERENCE, REFERENCE, 1.0)
+        yield {**start, **ref_row}
     for spec in cfg.policy_specs:
         for budget in cfg.budgets_of(spec, "agnostic"):
             if (spec.label, str(budget)) in skip or (only is not None and spec.label not in only):
                 continue
+            row = base(spec.label, spec.spec, budget, spec) if base else _row(sample, spec.label, spec.spec, budget)
             try:
                 cache = builder.cache(spec, budget)
-                row = _row(sample, spec.label, spec.spec, budget, cache.policy)
+                row.update(_settings(cache.policy))
                 metrics, _ = run_decode(model, sample, cache, ref, eos)
                 row.update(metrics)
             except Exception as e:  # noqa: BLE001  (a crashing method is a measured miss, not a stop)
-                row = _row(sample, spec.label, spec.spec, budget)
                 row.update(error=f"{type(e).__name__}: {e}", score=0.0, kl=None, kl_mean=None)
                 print(f"[decode grid] {spec.label}@{budget} on {sample.sample_id} failed: {e}", file=sys.stderr)
             yield row
@@ -257,9 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int)
     p.add_argument("--threads", type=int)
     p.add_argument("--only", help="comma-separated labels: run just these methods (the reference always)")
+    p.add_argument("--budgets", help="comma-separated budgets instead of the config's (e.g. one budget first)")
     p.add_argument("--report-only", action="store_true", help="rewrite the tables and plots of --out")
     args = p.parse_args(argv)
-    cfg = EvalConfig.from_yaml(args.config, out=args.out, samples=args.samples, threads=args.threads)
+    cfg = EvalConfig.from_yaml(args.config, out=args.out, samples=args.samples, threads=args.threads,
+                               budgets=args.budgets)
     if args.report_only:
         from sparsekv.evaluation.decode_report import write_decode_report
 

@@ -1,4 +1,4 @@
-"""Tables and plots of a decode grid (`decode_grid`): `summary.md` and PNGs beside the rows.
+"""Tables and plots of a decode grid (`decode_grid`): `decode-summary.md` and PNGs beside the rows.
 
 - one table per task and budget: per method its `rerank_every`, samples, mean KL(full ||
   method), perplexity, top-1, recall of the referring tokens (decode_recall), greedy agreement
@@ -162,11 +162,12 @@ def plot(summary: dict[tuple[str, str], list[dict[str, Any]]], out: Path, curve_
 
 
 def write_decode_report(out: str | Path) -> Path:
-    """Write `summary.md` and the plots of the decode grid in `out`; returns summary.md's path."""
+    """Write `decode-summary.md` and the plots of the decode rows in `out` (other tasks' rows are
+    left to `report.py`); returns the summary's path."""
     out = Path(out)
-    summary = summarize(_rows(out))
-    path = out / "summary.md"
-    tmp = out / ".summary.md.tmp"
+    summary = summarize([r for r in _rows(out) if str(r.get("task", "")).startswith("decode_")])
+    path = out / "decode-summary.md"
+    tmp = out / ".decode-summary.md.tmp"
     tmp.write_text(markdown(summary))
     tmp.replace(path)
     if summary:
