@@ -331,6 +331,8 @@ def train_lora(
                 log.close()
         after = mean_kl(peft_model, policy, eviction, eval_blocks.to(device), cfg.context_len)
         weights = LoraWeights.from_peft(peft_model)
+    # the base model's id, not the local folder it was loaded from (which peft records)
+    weights.config.base_model_name_or_path = adapter.config.base_model_id
     metrics = {
         "steps": cfg.steps,
         "budget": cfg.budget,
