@@ -33,8 +33,9 @@ def _synthetic(kind: str) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(autouse=True)
-def synthetic_text(monkeypatch):
+def synthetic_text(monkeypatch, tmp_path):
     monkeypatch.setattr(text, "eval_texts", _synthetic, raising=False)
+    monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path / "cache"))  # reference traces kept here
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +152,7 @@ def test_recall_scored_on_the_referring_tokens(codec):
     assert row["new_tokens"] == 0
 
 
-def test_grid_rows_resume_and_report(codec, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path / "cache"))
+def test_grid_rows_resume_and_report(codec, tmp_path):
     cfg = EvalConfig(out=str(tmp_path / "g"), model="tiny:gemma3", tasks=["decode_prose"], lengths=[300],
                      policies=["h2o@rerank_every=0@label=h2o-r0", "tova@rerank_every=4@label=tova-r4"],
                      budgets=[48, 96], samples=1, protocols=["agnostic"],
@@ -166,7 +166,7 @@ def test_grid_rows_resume_and_report(codec, tmp_path, monkeypatch):
     assert all(r["error"] is None for r in rows)
     run_decode_grid(cfg, model, codec, progress=False)  # complete: nothing reruns
     assert len(read_rows(tmp_path / "g" / "results.jsonl")) == 5
-    summary = (tmp_path / "g" / "summary.md").read_text()
+    summary = (tmp_path / "g" / "decode-summary.md").read_text()
     assert "decode_prose, budget 48 tokens" in summary and "tova-r4" in summary
     assert (tmp_path / "g" / "kl-position-decode_prose-48.png").exists()
     assert (tmp_path / "g" / "kv-position-48.png").exists()
@@ -179,3 +179,19 @@ def test_grid_rows_resume_and_report(codec, tmp_path, monkeypatch):
     again = read_rows(tmp_path / "g2" / "results.jsonl")
     assert [r["policy"] for r in again] == ["full", "tova-r4", "tova-r4"]
     assert again[1]["kl_mean"] == pytest.approx(rows[3]["kl_mean"], rel=1e-6)
+
+
+def test_sparsekv_eval_runs_decode_samples(tmp_path):
+    """`sparsekv eval` hands decode samples to the decode run: its rows carry the per-window
+    metrics and the re-rank interval, next to the harness's own fields."""
+    from sparsekv.evaluation.runner import run_eval
+
+    cfg = EvalConfig(out=str(tmp_path / "e"), model="tiny:gemma3", tasks=["decode_prose"], lengths=[300],
+                     policies=["h2o@rerank_every=8@label=h2o-r8"], budgets=[48], samples=1,
+                     protocols=["agnostic"], task_options={"decode_prose": {"prompt_tokens": 40, "gen_tokens": 4}})
+    run_eval(cfg, progress=False)
+    rows = read_rows(tmp_path / "e" / "results.jsonl")
+    assert [r["policy"] for r in rows] == ["full", "h2o-r8"]
+    assert rows[1]["rerank_every"] == 8 and rows[1]["kl_mean"] > 0 and len(rows[1]["windows"]) == 2
+    assert rows[0]["kl_mean"] == 0.0 and rows[1]["new_tokens"] == 4
+    assert (tmp_path / "e" / "decode-summary.md").exists()

@@ -78,6 +78,7 @@ def _summary(label: str, rs: list[dict]) -> dict[str, Any]:
         "ms": _mean(r.get("decode_ms_per_token") for r in rs),
         "rerank_pct": _mean(r.get("rerank_pct") for r in rs),
         "kv_mib": _mean(r.get("kv_bytes_end") for r in rs) / 2**20,
+        "kv_budgeted_mib": _mean((r.get("kv_curve") or [[0, 0, None]])[-1][2] for r in rs) / 2**20,
         "windows": [_mean((r.get("windows") or [{}] * n_windows)[w].get("kl") if w < len(r.get("windows") or [])
                           else None for r in rs) for w in range(n_windows)],
         "window_starts": [w["start"] for w in max((r.get("windows") or [] for r in rs), key=len)],
@@ -98,7 +99,7 @@ def markdown(summary: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
         lines += [f"## {task}, budget {budget} tokens", ""]
         head = "| method | rerank_every | n | KL mean | ppl | top-1 |"
         head += " recall | recall 1st |" if recall else ""
-        head += " gen agreement | gen prefix | ms/step | re-rank % of decode | KV MiB end |"
+        head += " gen agreement | gen prefix | ms/step | re-rank % of decode | KV MiB end (budgeted layers) |"
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for s in rows:
             r = "-" if s["rerank_every"] is None else str(s["rerank_every"])
@@ -107,7 +108,7 @@ def markdown(summary: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
             if recall:
                 line += f" {_fmt(s['recall'], 3)} | {_fmt(s['recall_first'], 3)} |"
             line += (f" {_fmt(s['agreement'], 3)} | {_fmt(s['prefix'], 1)} | {_fmt(s['ms'], 1)} | "
-                     f"{_fmt(s['rerank_pct'], 3)} | {_fmt(s['kv_mib'], 1)} |")
+                     f"{_fmt(s['rerank_pct'], 3)} | {_fmt(s['kv_mib'], 1)} ({_fmt(s['kv_budgeted_mib'], 2)}) |")
             lines.append(line)
         starts = rows[-1]["window_starts"] if rows else []
         if starts:

@@ -264,6 +264,11 @@ class Runner:
         ]
         if not runs and REFERENCE_KEY in skip:
             return
+        if sample.kind == "decode":  # a long continuation fed token by token: decode_grid runs it
+            from sparsekv.evaluation.decode_grid import decode_rows
+
+            yield from decode_rows(self, sample, skip)
+            return
         forkable = self.forks.forkable
         # the reference row comes from the shared prefill whenever the grid has one (as in a
         # fresh run); a reference needed only for KL is taken the cheapest way

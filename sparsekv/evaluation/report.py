@@ -226,4 +226,8 @@ def write_reports(out: str | Path, readme_series: list[str] | None = None) -> di
     plots = plot(summary, out)
     if readme_series:
         plots += readme_plots(summary, out, readme_series, computed)
+    if any(str(r.get("task", "")).startswith("decode_") for r in rows):
+        from sparsekv.evaluation.decode_report import write_decode_report
+
+        write_decode_report(out)  # per-window KL, KV bytes and KL against position
     return {"summary": summary, "plots": plots}
