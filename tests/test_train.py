@@ -633,7 +633,8 @@ def test_deepspeed_single_process_resumes_exactly(stage, full_run, tmp_path, cor
 def test_deepspeed_cpu_config_trains_under_the_deepspeed_engine(full_run, tmp_path, corpus):
     """The shipped CPU DeepSpeed config with the shipped tiny CPU training config, as the README
     launches it: the head is trained by a DeepSpeedEngine under ZeRO-2 (recorded in
-    trainer_state.json and the final adapter), with the plain run's losses. ~45 s here."""
+    trainer_state.json and the final adapter), with the plain run's losses. A 20-step launch
+    takes ~20 s here."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "zero2-cpu"
     launcher = [
