@@ -393,6 +393,16 @@ def test_cpu_true_under_a_deepspeed_launch_is_an_error(monkeypatch):
         make_accelerator(load_config(TINY, ["cpu=true"]))
 
 
+def test_deepspeed_with_several_cpu_processes_is_an_error(monkeypatch):
+    from train.loop import RunError, make_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RunError, match="DeepSpeed on the CPU runs one process"):
+        make_accelerator(load_config(TINY))
+
+
 def test_shipped_cpu_configs_let_accelerate_decide_the_device():
     for path in sorted((ROOT / "configs" / "train").glob("*-cpu.yaml")):
         assert load_config(path).cpu is False, path.name
