@@ -16,9 +16,9 @@ _LAZY = {
     "ScorerAdapter": "sparsekv.adapter",
     "policies": "sparsekv.policies",
     "model_shape": "sparsekv.families",
-    "compress": "sparsekv.compress",
-    "compress_text": "sparsekv.compress",
-    "CompressedContext": "sparsekv.compress",
+    "compress": "sparsekv.compressed",
+    "compress_text": "sparsekv.compressed",
+    "CompressedContext": "sparsekv.compressed",
 }
 
 __all__ = list(_LAZY) + ["__version__"]
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from sparsekv import policies
     from sparsekv.adapter import ScorerAdapter
     from sparsekv.cache import SparseKVCache
-    from sparsekv.compress import CompressedContext, compress, compress_text
+    from sparsekv.compressed import CompressedContext, compress, compress_text
     from sparsekv.config import EvictionConfig
     from sparsekv.default_model import default_model_path, load_default_model
     from sparsekv.families import model_shape

@@ -1,5 +1,6 @@
 """The state of a `SparseKVCache` between two steps, as named tensors plus JSON, and a new cache
-restored from it: what `sparsekv.compress` copies for every question and writes to disk.
+restored from it: what `sparsekv.compress` (sparsekv/compressed.py) copies for every question
+and writes to disk.
 
 `snapshot(cache)` -> (tensors, meta). Per cache layer `i`, budgeted (`EvictingLayer`):
 `layers.i.keys` / `layers.i.values` `(batch, kv_heads, kept, head_dim)` (int8 with

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparsekv import EvictionConfig, SparseKVCache
-from sparsekv.compress import CompressedContext, compress, compress_text
+from sparsekv.compressed import CompressedContext, compress, compress_text
 
 CFG = dict(budget=0.3, sink_tokens=2, recent_window=8, rerank_every=4, evict_slack=2)
 GEN = dict(max_new_tokens=10, do_sample=False)
@@ -41,7 +41,7 @@ def _policy(name: str, model):
 def separate_run(model, context, question, config, policy) -> torch.Tensor:
     """The reference: a fresh cache, the context prefilled through it, then `generate` on
     context + question; returns question + answer ids."""
-    from sparsekv.compress import _resolve_policy
+    from sparsekv.compressed import _resolve_policy
 
     built, _ = _resolve_policy(policy)
     with SparseKVCache(model, config, built) as cache:
@@ -143,6 +143,19 @@ def test_loading_onto_another_model_is_a_clear_error(make_tiny_model, tmp_path):
     (tmp_path / "c" / "context.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="context.safetensors"):
         CompressedContext.load(tmp_path / "c", model)
+
+
+def test_the_package_exports_the_functions_not_the_module():
+    """`sparsekv.compress` is the function even after its module was imported (the module is
+    sparsekv/compressed.py: a module named `compress` would shadow the lazy export)."""
+    import sparsekv
+    import sparsekv.compressed  # noqa: F401
+    from sparsekv import compress as fn
+
+    assert callable(sparsekv.compress) and fn is compress
+    assert (
+        sparsekv.CompressedContext is CompressedContext and sparsekv.compress_text is compress_text
+    )
 
 
 def test_bad_inputs_name_the_parameter(make_tiny_model):
