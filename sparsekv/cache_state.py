@@ -67,7 +67,12 @@ def snapshot(cache: SparseKVCache) -> tuple[dict[str, torch.Tensor], dict[str, A
             layers.append({"kind": kind, "empty": True})
             continue
         if isinstance(layer, EvictingLayer):
-            if layer.num_new or layer._live is not None or layer.recorded:
+            if (
+                layer.num_new
+                or getattr(layer, "pending", 0)
+                or layer._live is not None
+                or layer.recorded
+            ):
                 raise ValueError(
                     f"layer {i} is mid-step or recorded statistics: nothing to snapshot yet"
                 )

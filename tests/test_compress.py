@@ -34,6 +34,10 @@ def _adapter(model):
 
 
 def _policy(name: str, model):
+    if name == "kvzip":  # scored after the prefill by a repeat pass (a Policy instance)
+        from sparsekv import policies
+
+        return policies.get("kvzip", encode=lambda s: [3 + ord(c) % 125 for c in s])
     return _adapter(model) if name == "adapter" else name
 
 
@@ -62,7 +66,7 @@ def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("policy", ["snapkv", "h2o", "adapter"])
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "adapter", "kvzip"])
 def test_answers_equal_separate_compress_then_ask_runs(make_tiny_model, family, policy, questions):
     model = make_tiny_model(family)
     context = _ids(100, 1)
