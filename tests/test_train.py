@@ -540,9 +540,10 @@ def test_data_builder_is_deterministic_and_hides_needles_in_prose(tmp_path):
     prose = [r for r in a if not r["source"].startswith("synthetic")]
     synth = [r for r in a if r["source"].startswith("synthetic")]
     assert {r["source"] for r in prose} <= {"pydoc", "docstrings", "license"} and prose
-    assert len(synth) == 12 and {r["source"] for r in synth} == {
-        f"synthetic:{k}" for k in ("passkey", "kv", "vars")
-    }
+    from data.build import KINDS
+
+    # 12 samples need not cover all eight kinds; each one made is a known kind
+    assert len(synth) == 12 and {r["source"] for r in synth} <= {f"synthetic:{k}" for k in KINDS}
     for r in synth:
         assert r["text"].rstrip().endswith(r["answer"]) and "Question:" in r["text"]
     for pk in (r for r in synth if r["source"] == "synthetic:passkey"):
@@ -675,11 +676,11 @@ def test_deepspeed_cpu_config_trains_under_the_deepspeed_engine(full_run, tmp_pa
 def test_training_needles_never_use_the_evaluation_wording():
     """The evaluation's needle and question sentences must not appear in the training corpus,
     or passkey accuracy would partly measure memorisation of one sentence."""
-    from data.build import BuildConfig, build
+    from data.build import KINDS, BuildConfig, build
 
     synth = [r for r in build(BuildConfig(seed=3, max_prose_chars=20_000, synthetic=60, context_chars=300))
              if r["source"].startswith("synthetic")]
-    assert {r["source"] for r in synth} == {f"synthetic:{k}" for k in ("passkey", "kv", "vars")}
+    assert {r["source"] for r in synth} == {f"synthetic:{k}" for k in KINDS}  # seed 3 covers all
     for phrase in ("pass key", "Remember it.", "special magic number", "VAR "):
         assert not any(phrase in r["text"] for r in synth), phrase
 
