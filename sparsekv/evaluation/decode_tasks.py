@@ -58,7 +58,7 @@ def _register(name: str, builder, metric: str, doc: str, **defaults) -> None:
 
 def _texts(kind: str) -> list[tuple[str, str]]:
     """The evaluation-only texts of `kind` as `[(source, raw_text), ...]`."""
-    from sparsekv.evaluation import text
+    from sparsekv.evaluation import text  # read at call time: tests substitute eval_texts
 
     if not hasattr(text, "eval_texts"):
         raise RuntimeError("sparsekv.evaluation.text.eval_texts is not available: the decode tasks "
