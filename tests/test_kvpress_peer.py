@@ -467,3 +467,17 @@ def test_questions_are_fed_causally_when_only_full_layers_are_compressed():
             ).logits[0, -1]
     assert torch.allclose(last, want, atol=1e-6)
     assert cache.get_seq_length() == ref.get_seq_length() == 69
+
+
+def test_the_committed_gate_subset_pairs_every_prompt_with_our_full_cache():
+    """`run.sh --gate` compares kvpress's no-press rows on `gate-prompts.jsonl.gz` with
+    `gate-reference.jsonl.gz`: every prompt x protocol must have our full cache's row there."""
+    import gzip
+
+    gate = peer_module("kvp_gate")
+    prompts = [json.loads(x) for x in gzip.open(PEER / "gate-prompts.jsonl.gz", "rt")]
+    ref = gate.read_jsonl(PEER / "gate-reference.jsonl.gz")
+    want = {(p["sample_id"], proto) for p in prompts for proto in p["protocols"]}
+    assert len(want) >= gate.MIN_PROMPTS
+    assert {(r["sample_id"], r["protocol"]) for r in ref if r["policy"] == "full"} == want
+    assert all(r["output_ids"] for r in ref)
