@@ -29,9 +29,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,12 +40,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 
-import sparsekv  # noqa: E402
-from sparsekv.tiny import tiny_model  # noqa: E402
+import sparsekv
+from sparsekv.tiny import tiny_model
 
 CLEAR_TYPES = (ValueError, TypeError, FileNotFoundError)
 SURFACES = ("api", "adapter files", "train config", "eval cli")
@@ -106,14 +107,18 @@ def classify(c: Case) -> Outcome:
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             ret = c.fn()
-    except SystemExit as e:
+    except SystemExit as e:  # argparse's exit 2 (its usage line names the flag)
         etype = "SystemExit"
         msg = err.getvalue().strip() or str(e)
         kind = "clear" if e.code not in (0, None) and _names_in(msg, c.names) else "unclear"
     except CLEAR_TYPES as e:
         etype = type(e).__name__
         msg = str(e)
-        kind = "clear" if _names_in(msg, c.names) else "unclear"
+        if c.cli:  # escaped sparsekv.cli.main: the user sees a traceback, not an exit 2
+            msg = f"raw traceback ({etype} escaped the CLI): {msg}"
+            kind = "unclear"
+        else:
+            kind = "clear" if _names_in(msg, c.names) else "unclear"
     except Exception as e:  # noqa: BLE001  (every other type is "unclear" by definition)
         etype = type(e).__name__
         tb = traceback.extract_tb(e.__traceback__)
@@ -241,7 +246,7 @@ add("api", SK, "record_window=-1", "record_window",
                                    record_window=-1))
 add("api", SK, "a gemma3 head's policy on a llama model", ("model", "adapter", "gemma"),
     lambda: sparsekv.SparseKVCache(model("llama"), cfg(), adapter("gemma3").policy()))
-add("api", SK, "int budget larger than nothing: static layout, 'full' policy without max_length",
+add("api", SK, "layout='static' with the 'full' policy, no max_length",
     ("max_length", "full"),
     lambda: sparsekv.SparseKVCache(model(), sparsekv.EvictionConfig(budget=8, layout="static"),
                                    "full"))
@@ -403,6 +408,15 @@ add("api", CP, "load with truncated tensors", (".safetensors",),
     lambda: sparsekv.CompressedContext.load(
         _ctx_copy(lambda f: (p := _ctx_file(f, ".safetensors")).write_bytes(p.read_bytes()[:100])),
         model()))
+def _bump_version(folder: Path) -> None:
+    p = _ctx_file(folder, ".json")
+    d = json.loads(p.read_text())
+    d["format_version"] = 99
+    p.write_text(json.dumps(d))
+
+
+add("api", CP, "load a context of format_version 99", ("format_version", ".json"),
+    lambda: sparsekv.CompressedContext.load(_ctx_copy(_bump_version), model()))
 add("api", CP, "load an adapter folder as a context", ("context", "path"),
     lambda: sparsekv.CompressedContext.load(adapter_dir(), model()))
 
@@ -444,7 +458,7 @@ def _load(edit, family="llama"):
 
 
 def _first(state: dict) -> str:
-    return sorted(state)[0]
+    return min(state)
 
 
 def _set(d: dict, k: str, v: Any) -> None:
@@ -502,6 +516,16 @@ for key, val in [
         _load(_edit_config(lambda d, k=key, v=val: _set(d, k, v))))
 
 
+def _set_use(d: dict, use: str, key: str, val: Any) -> None:
+    d["uses"][use][key] = val
+
+
+for use, key, val in [("aware", "blend", 7), ("aware", "recency", -1), ("agnostic", "kernel_size", 4),
+                      ("agnostic", "blend_mode", "avg"), ("aware", "bogus", 1)]:
+    add(AF, "config", f"uses[{use!r}][{key!r}]={val!r}", C + (key,),
+        _load(_edit_config(lambda d, u=use, k=key, v=val: _set_use(d, u, k, v))))
+
+
 def _config_hidden_size_and_weights_agree_but_model_differs() -> None:
     gem = sparsekv.ScorerAdapter.from_pretrained(adapter_dir("gemma3"))
     sparsekv.SparseKVCache(model("llama"), cfg(), gem.policy())
@@ -556,6 +580,8 @@ add(TC, "file", "YAML a list", ("mapping",), lambda: load_cfg(yaml_file("- a\n- 
 add(TC, "file", "YAML a scalar", ("mapping",), lambda: load_cfg(yaml_file("just text\n")))
 add(TC, "file", "duplicate key lr (YAML keeps the last)", ("lr", "duplicate"),
     lambda: load_cfg(yaml_file("model: tiny:llama\nlr: 0.1\nlr: -1\n")))
+add(TC, "file", "duplicate key lr, both valid (YAML keeps the last)", ("lr", "duplicate"),
+    lambda: load_cfg(yaml_file("model: tiny:llama\nlr: 0.1\nlr: 0.001\n")))
 add(TC, "file", "lr: .nan", "lr", lambda: load_cfg(tiny_yaml("lr: .nan")))
 add(TC, "file", "lr: .inf", "lr", lambda: load_cfg(tiny_yaml("lr: .inf")))
 add(TC, "file", "unknown key 'learning_rate'", "learning_rate",
@@ -818,11 +844,11 @@ def summarize(results: list[Outcome], seconds: float) -> str:
     lines = [
         "# Bad-input sweep (issue 16's target)",
         "",
-        f"`python eval/sweep_bad_inputs.py` ({len(results)} cases, {seconds:.0f} s on a shared "
+        (f"`python eval/sweep_bad_inputs.py` ({len(results)} cases, {seconds:.0f} s on a shared "
         "CPU, tiny random models). Outcome per case: **clear** (ValueError / TypeError / "
         "FileNotFoundError / SystemExit or CLI exit 2 whose message names the parameter, flag, "
         "key or file), **unclear** (another exception type, or a message naming none of them), "
-        "**silent** (accepted). Every case and its message: `cases.json`.",
+        "**silent** (accepted). Every case and its message: `cases.json`."),
         "",
         "| surface | n | clear | unclear | silent |",
         "|---|---:|---:|---:|---:|",
@@ -835,8 +861,8 @@ def summarize(results: list[Outcome], seconds: float) -> str:
         cnt = {k: sum(r.outcome == k for r in rs) for k in ("clear", "unclear", "silent")}
         lines.append(f"| {s} | {len(rs)} | {cnt['clear']} | {cnt['unclear']} | {cnt['silent']} |")
         tot["n"] += len(rs)
-        for k in cnt:
-            tot[k] += cnt[k]
+        for k, v in cnt.items():
+            tot[k] += v
     share = tot["clear"] / tot["n"] if tot["n"] else math.nan
     lines.append(f"| **all** | {tot['n']} | {tot['clear']} | {tot['unclear']} | {tot['silent']} |")
     lines += ["", f"Share clear: **{100 * share:.1f}%** (target: >= 95% and no silent case).", ""]

@@ -1,0 +1,108 @@
+"""A few cases per surface of eval/sweep_bad_inputs.py, with the outcome each must have, and the
+classifier itself (so a regression in an error message, or a classifier that calls everything
+clear, fails here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("sweep_bad_inputs", ROOT / "eval" / "sweep_bad_inputs.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["sweep_bad_inputs"] = mod
+    spec.loader.exec_module(mod)
+    yield mod
+    shutil.rmtree(mod.TMP, ignore_errors=True)
+
+
+def _case(sweep, surface: str, name: str):
+    hits = [c for c in sweep.CASES if c.surface == surface and c.name == name]
+    assert len(hits) == 1, (surface, name, len(hits))
+    return hits[0]
+
+
+CLEAR = [
+    ("api", "budget=1.5"),
+    ("api", "schedule=[True, True]"),
+    ("api", "a gemma3 head's policy on a llama model"),
+    ("api", "random: {'seed': 'x'}"),
+    ("api", "snapkv: {'window': 2.5}"),
+    ("api", "learned: {'adapter': None}"),
+    ("api", "attach(use='nope')"),
+    ("adapter files", "truncated safetensors (half)"),
+    ("adapter files", "NaN weights"),
+    ("adapter files", "format_version=99"),
+    ("adapter files", "hidden_size=1000000000"),
+    ("adapter files", "gemma3 head into SparseKVCache on llama"),
+    ("train config", "YAML syntax error"),
+    ("train config", "lr: .nan"),
+    ("train config", "bogus_key=1"),
+    ("train config", "inference.blend=5"),
+    ("eval cli", "--tasks passkey,needle"),
+    ("eval cli", "--budget abc"),
+    ("eval cli", "--samples abc"),
+    ("eval cli", "--eviction bogus=1"),
+]
+
+NOT_CLEAR = [  # known gaps, recorded in docs/results/bad-inputs/summary.md
+    ("api", "model=None", "unclear"),
+    ("api", "context_ids beyond the vocabulary", "unclear"),
+    ("eval cli", "--source without --ingest", "silent"),
+]
+
+
+@pytest.mark.parametrize("surface, name", CLEAR)
+def test_sweep_cases_that_must_be_clear(sweep, surface, name):
+    out = sweep.classify(_case(sweep, surface, name))
+    assert out.outcome == "clear", out
+
+
+@pytest.mark.parametrize("surface, name, expected", NOT_CLEAR)
+def test_known_gaps_are_classified_as_such(sweep, surface, name, expected):
+    out = sweep.classify(_case(sweep, surface, name))
+    assert out.outcome == expected, out
+
+
+def test_eval_rows_cases(sweep):
+    for name in ("a fresh run into a folder with rows", "--resume onto another model's rows",
+                 "a folder locked by another run"):
+        out = sweep.classify(_case(sweep, "eval cli", name))
+        assert out.outcome == "clear", out
+
+
+def test_classifier(sweep):
+    def boom(exc):
+        def fn():
+            raise exc
+        return fn
+
+    mk = lambda fn, names, cli=False, warn_ok=False: sweep.Case("api", "g", "n", fn, names, cli, warn_ok)
+    assert sweep.classify(mk(boom(ValueError("window=0 bad")), ("window",))).outcome == "clear"
+    assert sweep.classify(mk(boom(ValueError("bad value")), ("window",))).outcome == "unclear"
+    assert sweep.classify(mk(boom(KeyError("window")), ("window",))).outcome == "unclear"
+    assert sweep.classify(mk(lambda: 1, ("window",))).outcome == "silent"
+    assert sweep.classify(mk(lambda: 0, ("window",), cli=True)).outcome == "silent"
+
+    def cli_err():
+        print("sparsekv: error: --window is bad", file=sys.stderr)
+        return 2
+
+    assert sweep.classify(mk(cli_err, ("--window",), cli=True)).outcome == "clear"
+    assert sweep.classify(mk(cli_err, ("--budget",), cli=True)).outcome == "unclear"
+
+
+def test_the_sweep_is_broad(sweep):
+    from collections import Counter
+
+    per = Counter(c.surface for c in sweep.CASES)
+    assert sum(per.values()) >= 170
+    assert set(per) == set(sweep.SURFACES) and min(per.values()) >= 30, per
