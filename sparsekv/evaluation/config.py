@@ -12,7 +12,9 @@ Policy specs (one string per evaluated method):
   this method only, `label` (the name in tables and plots), `budgets` (this method's own
   budgets instead of the grid's, joined with '+': `@budgets=0.3` or `@budgets=0.1+0.3`; an
   ablation then costs one run per prompt, not one per grid budget), `protocols` (the protocols
-  this method runs under, joined with '+': `@protocols=aware`; default all of the grid's), or
+  this method runs under, joined with '+': `@protocols=aware`; default all of the grid's),
+  `lora` (learned only: `@lora=false` runs an adapter that carries a LoRA without it; by default
+  its LoRA is applied to the model for the method's whole run, which then prefills live), or
   else a keyword argument of the policy (e.g. `blend` for learned, `window` for snapkv). Values
   are read as YAML scalars.
 
@@ -55,6 +57,7 @@ class PolicySpec:
     label: str
     budgets: tuple | None = None  # this method's own budgets (None = the grid's)
     protocols: tuple | None = None  # the protocols it runs under (None = the grid's)
+    lora: bool = True  # learned: apply the adapter's LoRA (if it carries one) for the whole run
 
     def runs_under(self, protocol: str) -> bool:
         return self.protocols is None or protocol in self.protocols
@@ -120,11 +123,21 @@ def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
         if bad or not protocols:
             raise ValueError(f"policy {text!r}: @protocols={own!r}; allowed values: {', '.join(PROTOCOLS)} "
                              "(several joined with '+')")
+    if "lora" in options and name != "learned":
+        raise ValueError(f"policy {text!r}: only a learned adapter carries a LoRA (@lora=)")
+    lora = options.pop("lora", True)
+    if not isinstance(lora, bool):
+        raise ValueError(f"policy {text!r}: lora={lora!r} must be true or false")
     eviction = {k: options.pop(k) for k in list(options) if k in EVICTION_FIELDS}
     if eviction:
         EvictionConfig(budget=0.5, **eviction)  # raises naming the field
     return PolicySpec(spec=text, name=head, policy_kwargs=options, eviction=eviction, label=label,
-                      budgets=budgets, protocols=protocols)
+                      budgets=budgets, protocols=protocols, lora=lora)
+
+
+def lora_spec_text(text: str) -> str:
+    """The `policy_spec` recorded on the rows of a method that runs its adapter's LoRA."""
+    return text if "@lora=" in text else f"{text}@lora=true"
 
 
 def _split_plus(value: Any) -> list:

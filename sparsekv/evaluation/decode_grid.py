@@ -24,6 +24,7 @@ import platform
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,17 @@ class MethodBuilder:
             return policies.get("learned", adapter=self._adapters[path], **spec.policy_kwargs)
         return policies.get(spec.name, **spec.policy_kwargs)
 
+    def applied(self, spec: PolicySpec):
+        """The model with `spec`'s adapter LoRA injected for the block (see `plan.uses_lora`)."""
+        from sparsekv.evaluation.plan import uses_lora
+
+        policy = self.policy(spec)
+        if not uses_lora(spec, policy):
+            return nullcontext()
+        from sparsekv.adapter_lora import apply_lora
+
+        return apply_lora(self.model, policy.adapter.lora)
+
     def cache(self, spec: PolicySpec | None, budget):
         from sparsekv import EvictionConfig, SparseKVCache
 
@@ -108,10 +120,13 @@ def _settings(policy) -> dict[str, Any]:
 
 class RunnerMethods:
     """The `builder` of `run_sample` over the harness's `Runner` (`sparsekv eval`): its
-    policies (adapters loaded once) and per-method eviction settings."""
+    policies (adapters loaded once), per-method eviction settings and LoRA (`Runner.applied`)."""
 
     def __init__(self, runner):
         self.runner = runner
+
+    def applied(self, spec: PolicySpec):
+        return self.runner.applied(spec)
 
     def cache(self, spec: PolicySpec | None, budget):
         from sparsekv import EvictionConfig, SparseKVCache
@@ -176,9 +191,11 @@ def run_sample(model, codec, cfg: EvalConfig, sample: Sample, builder,
                 continue
             row = base(spec.label, spec.spec, budget, spec) if base else _row(sample, spec.label, spec.spec, budget)
             try:
-                cache = builder.cache(spec, budget)
-                row.update(_settings(cache.policy))
-                metrics, _ = run_decode(model, sample, cache, ref, eos)
+                # a learned method whose adapter carries a LoRA runs with it (removed after)
+                with builder.applied(spec) if hasattr(builder, "applied") else nullcontext():
+                    cache = builder.cache(spec, budget)
+                    row.update(_settings(cache.policy))
+                    metrics, _ = run_decode(model, sample, cache, ref, eos)
                 row.update(metrics)
             except Exception as e:  # noqa: BLE001  (a crashing method is a measured miss, not a stop)
                 row.update(error=f"{type(e).__name__}: {e}", score=0.0, kl=None, kl_mean=None)

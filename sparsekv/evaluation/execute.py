@@ -21,6 +21,13 @@ How one run goes (batch 1, greedy, no sampling):
 
 The metrics of a row (score, KL, ...) are taken by `outcome.fill_row`; the row format is
 described in `rows.py` (learned policies' rows carry `adapter_hash`).
+
+A learned method whose adapter carries a LoRA (and whose spec does not say `lora: false`) runs
+with that LoRA applied to the model (`sparsekv.adapter_lora.apply_lora`) for its whole run:
+prefill, question and decoding. It never forks from the shared prefill (recorded on the plain
+model; `plan.uses_lora`), and the LoRA is removed after the run, so the reference and the other
+methods see the plain model (checked after each group: the same parameter tensors, unmodified).
+Its rows' `policy_spec` ends in `@lora=true`; `adapter_hash` covers the LoRA tensors.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +43,15 @@ import torch
 
 from sparsekv.evaluation import metrics as M
 from sparsekv.evaluation.codec import Codec
-from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec
+from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec, lora_spec_text
 from sparsekv.evaluation.outcome import Reference, fill_row
-from sparsekv.evaluation.plan import REFERENCE_KEY, ForkPlan, plan_forks, prefill_chunk
+from sparsekv.evaluation.plan import (
+    REFERENCE_KEY,
+    ForkPlan,
+    plan_forks,
+    prefill_chunk,
+    uses_lora,
+)
 from sparsekv.evaluation.rows import ROW_FIELDS
 from sparsekv.evaluation.tasks import Sample
 
@@ -110,6 +124,11 @@ class Runner:
             except (OSError, ValueError) as e:  # OSError: neither a folder nor a Hub repo
                 raise ValueError(f"policy {spec.spec!r}: {e}") from e
         self.hashes = {spec.spec: self.adapter_hash(spec) for spec in self.cfg.policy_specs}
+        self.loras = {
+            spec.spec: built[spec.spec].adapter.lora
+            for spec in self.cfg.policy_specs
+            if uses_lora(spec, built[spec.spec])
+        }
         self.forks = plan_forks(self.cfg, built)
         return self.forks
 
@@ -121,6 +140,28 @@ class Runner:
         if path not in self._hashes:
             self._hashes[path] = self._adapter(path).fingerprint()
         return self._hashes[path]
+
+    def lora_of(self, spec: PolicySpec):
+        """The LoRA (`LoraWeights`) a method runs with, or None (see `plan.uses_lora`)."""
+        if not hasattr(self, "loras"):
+            self.plan()
+        return self.loras.get(spec.spec)
+
+    def applied(self, spec: PolicySpec | None):
+        """A context in which the model is the one `spec` runs on: with its adapter's LoRA
+        injected (removed on exit), or the plain model."""
+        lora = self.lora_of(spec) if spec is not None else None
+        if lora is None:
+            return nullcontext()
+        from sparsekv.adapter_lora import apply_lora
+
+        return apply_lora(self.model, lora)
+
+    def _weights_state(self) -> dict[str, tuple]:
+        """Each parameter and buffer's identity, storage and in-place version counter: equal
+        before and after a group exactly when no tensor was replaced or modified in place."""
+        tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
+        return {n: (id(t), t.data_ptr(), tuple(t.shape), t._version) for n, t in tensors}
 
     # ---- model calls ------------------------------------------------------------------------
     def _forward(self, ids: list[int], cache, keep: int) -> torch.Tensor:
@@ -241,6 +282,8 @@ class Runner:
         )
         if spec is not None:
             row["adapter_hash"] = self.adapter_hash(spec)
+            if self.lora_of(spec) is not None:
+                row["policy_spec"] = lora_spec_text(spec_text)
         return row
 
     # ---- public -----------------------------------------------------------------------------
@@ -276,6 +319,8 @@ class Runner:
             REFERENCE_KEY not in skip and any(forkable.values())
         )
         shared = self._prefill_shared(sample, protocol) if wanted else None
+        lora_runs = any(self.lora_of(s) is not None for s, _ in runs)
+        before = self._weights_state() if lora_runs else None
         try:
             if shared is not None:
                 row, ref = self.run_reference(
@@ -291,6 +336,11 @@ class Runner:
             for spec, budget in runs:
                 yield self.run_policy(
                     sample, protocol, spec, budget, ref, shared if forkable[spec.spec] else None
+                )
+            if before is not None and self._weights_state() != before:
+                raise RuntimeError(
+                    f"the model's weights changed during {sample.sample_id} ({protocol}): an "
+                    "adapter's LoRA was not removed exactly; the rows after it are not valid"
                 )
         finally:
             if shared is not None:
@@ -325,6 +375,11 @@ class Runner:
         """One policy at one budget; a crash becomes a row with `error` set and score 0."""
         row = self._row(sample, protocol, spec.label, spec.spec, budget, spec)
         try:
+            if shared is not None and self.lora_of(spec) is not None:
+                raise ValueError(
+                    f"{spec.spec} runs its adapter's LoRA: it prefills live, it cannot fork a "
+                    "prefill recorded on the plain model"
+                )
             if shared is not None:
 
                 def start():
@@ -336,7 +391,8 @@ class Runner:
                 def start():
                     return self._make_cache(spec, budget)
 
-            res = self._execute(sample, protocol, start, prefill_chunk(self.cfg, spec), shared)
+            with self.applied(spec):  # the LoRA for the whole run, removed after it
+                res = self._execute(sample, protocol, start, prefill_chunk(self.cfg, spec), shared)
             row, _ = fill_row(row, sample, res, ref, self.codec)
         except Exception as e:  # a crashing method is a measured miss, not a stop
             row["error"] = f"{type(e).__name__}: {e}"

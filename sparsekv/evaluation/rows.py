@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from sparsekv.evaluation import metrics as M
-from sparsekv.evaluation.config import REFERENCE, EvalConfig
+from sparsekv.evaluation.config import REFERENCE, EvalConfig, lora_spec_text
 from sparsekv.evaluation.folder import read_prompts
 from sparsekv.evaluation.tasks import get_task
 
@@ -243,7 +243,8 @@ def finished(
                 r.get("adapter_hash"),
                 hashes.get(spec.spec),
             )
-            if old_spec is not None and old_spec != spec.spec:
+            # a method that ran its adapter's LoRA records `...@lora=true` (`lora_spec_text`)
+            if old_spec is not None and old_spec not in (spec.spec, lora_spec_text(spec.spec)):
                 clash.setdefault(("spec", label, pr, old_spec, spec.spec), []).append(r)
                 continue
             if old_hash and new_hash and old_hash != new_hash:

@@ -1,0 +1,138 @@
+"""The evaluation harness runs a learned adapter's LoRA: applied for the method's whole run
+(which prefills live, never forked from the plain model's shared prefill), removed after it
+(the plain model bitwise unchanged), and `lora: false` runs the same adapter without it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsekv.evaluation.config import EvalConfig, parse_policy
+
+
+def _adapter(folder: Path, model, nonzero: bool) -> Path:
+    """A tiny adapter folder with a LoRA on q/v: B non-zero (changes the outputs) or zero (the
+    default peft initialization: the LoRA adds exactly nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.adapter_lora import quiet_peft
+    from sparsekv.tiny import tiny_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=not nonzero
+    )
+    with quiet_peft():
+        peft_model = get_peft_model(tiny_model("llama"), config)
+    if nonzero:  # large enough that greedy tokens move on a random tiny model
+        with torch.no_grad():
+            for n, p in peft_model.named_parameters():
+                if "lora_" in n:
+                    p.normal_(0.0, 0.5)
+    torch.manual_seed(0)
+    return ScorerAdapter.for_model(model, hidden=8).save_pretrained(folder, lora=peft_model)
+
+
+def _grid(out: Path, adapter: Path) -> EvalConfig:
+    return EvalConfig(
+        out=str(out),
+        model="tiny:llama",
+        tasks=["passkey", "ppl"],
+        lengths=[256],
+        samples=1,
+        seed=3,
+        budgets=[0.3],
+        protocols=["agnostic", "aware"],
+        threads=1,
+        policies=[
+            "snapkv",
+            {"policy": f"learned:{adapter}", "label": "learned + LoRA"},
+            {"policy": f"learned:{adapter}", "lora": False, "label": "learned"},
+        ],
+    )
+
+
+def _run(tmp_path: Path, nonzero: bool):
+    from sparsekv.evaluation.models import load_model
+    from sparsekv.evaluation.runner import run_eval
+
+    model, codec = load_model("tiny:llama", seed=3)
+    before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    names = [n for n, _ in model.named_modules()]
+    adapter = _adapter(tmp_path / "adapter", model, nonzero)
+    cfg = _grid(tmp_path / "run", adapter)
+    out = run_eval(cfg, model=model, codec=codec, progress=False, report=False)
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines() if x.strip()]
+    after = model.state_dict()
+    assert [n for n, _ in model.named_modules()] == names  # no LoRA module left behind
+    assert after.keys() == before.keys()
+    for n, t in before.items():
+        assert torch.equal(after[n], t), n
+    return rows, cfg, model, codec
+
+
+def _by(rows, label):
+    return {(r["sample_id"], r["protocol"]): r for r in rows if r["policy"] == label}
+
+
+@pytest.fixture(scope="module")
+def nonzero(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("lora1"), nonzero=True)
+
+
+def test_lora_option_parses_and_is_learned_only():
+    assert parse_policy("learned:x").lora is True
+    spec = parse_policy("learned:x@lora=false@blend=0.5")
+    assert spec.lora is False and spec.policy_kwargs == {"blend": 0.5}
+    assert parse_policy({"policy": "learned:x", "lora": False}).lora is False
+    with pytest.raises(ValueError, match="only a learned adapter"):
+        parse_policy("snapkv@lora=false")
+    with pytest.raises(ValueError, match="true or false"):
+        parse_policy("learned:x@lora=maybe")
+
+
+def test_a_nonzero_lora_changes_the_rows_and_the_model_comes_back_bitwise(nonzero):
+    rows, *_ = nonzero
+    assert all(r["error"] is None for r in rows)
+    lora, plain = _by(rows, "learned + LoRA"), _by(rows, "learned")
+    assert lora.keys() == plain.keys() and len(lora) == 3  # passkey x 2 protocols + ppl
+    for key, r in lora.items():
+        p = plain[key]
+        assert r["policy_spec"].endswith("@lora=true") and "@lora=False" in p["policy_spec"]
+        assert r["adapter_hash"] == p["adapter_hash"]  # one adapter; its hash covers the LoRA
+        assert not r["prefill_shared"] and p["prefill_shared"]  # the LoRA run prefilled live
+        assert r["kl"] != pytest.approx(p["kl"], rel=1e-3, abs=1e-6), key
+    # the reference and the other methods ran on the plain model (forked from its prefill)
+    assert all(r["prefill_shared"] for r in rows if r["policy"] in ("full", "snapkv"))
+
+
+def test_the_lora_method_is_not_forked_and_resume_keeps_its_rows(nonzero):
+    from sparsekv.evaluation.execute import Runner
+    from sparsekv.evaluation.runner import run_eval
+
+    rows, cfg, model, codec = nonzero
+    forks = Runner(model, codec, cfg).plan().forkable
+    by_label = {s.label: forks[s.spec] for s in cfg.policy_specs}
+    assert by_label == {"snapkv": True, "learned + LoRA": False, "learned": True}
+    run_eval(cfg, model=model, codec=codec, progress=False, report=False, resume=True)
+    again = [json.loads(x) for x in (Path(cfg.out) / "results.jsonl").read_text().splitlines()]
+    assert len(again) == len(rows)  # nothing rerun: the `@lora=true` spec text matches
+
+
+def test_a_zero_lora_gives_the_rows_of_the_adapter_without_it(tmp_path):
+    rows, *_ = _run(tmp_path, nonzero=False)
+    assert all(r["error"] is None for r in rows)
+    lora, plain = _by(rows, "learned + LoRA"), _by(rows, "learned")
+    assert lora.keys() == plain.keys() and len(lora) == 3
+    for key, r in lora.items():
+        p = plain[key]
+        assert not r["prefill_shared"]
+        assert r["output_ids"] == p["output_ids"], key
+        assert r["kv_bytes_compressed"] == p["kv_bytes_compressed"], key
+        assert r["kl"] == pytest.approx(p["kl"], rel=1e-3, abs=1e-7), key
+        if r["task"] == "ppl":
+            assert r["nll"] == pytest.approx(p["nll"], rel=1e-5), key
