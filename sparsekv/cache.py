@@ -490,6 +490,8 @@ class SparseKVCache(Cache):
         schedule = self.policy.schedule or config.schedule
         fractions = layer_fractions(config, len(budgeted), schedule)
         self.shared = _Shared(config, self.policy, len(budgeted))
+        if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 1:
+            raise ValueError(f"record_window={record_window!r} must be an int >= 1")
         self.shared.record, self.shared.record_window = tuple(record), record_window
         self.shared.model = weakref.ref(model)
         if self.policy.scores_after_prefill and config.prefill_chunk:

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # a bad flag or a missing file: exit 2, no traceback
         print(f"sparsekv: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C or kill: what was finished is saved (the command says where)

@@ -51,6 +51,9 @@ CLEAR = [
     ("eval cli", "--budget abc"),
     ("eval cli", "--samples abc"),
     ("eval cli", "--eviction bogus=1"),
+    ("api", "record_window=0"),  # was silent before SparseKVCache checked it
+    ("api", "record_window=-1"),
+    ("eval cli", "ingest: missing file"),  # was a raw FileNotFoundError traceback from the CLI
 ]
 
 NOT_CLEAR = [  # known gaps, recorded in docs/results/bad-inputs/summary.md
@@ -106,3 +109,24 @@ def test_the_sweep_is_broad(sweep):
     per = Counter(c.surface for c in sweep.CASES)
     assert sum(per.values()) >= 170
     assert set(per) == set(sweep.SURFACES) and min(per.values()) >= 30, per
+
+
+def test_record_window_is_checked_when_the_cache_is_built():
+    from sparsekv import EvictionConfig, SparseKVCache
+    from sparsekv.tiny import tiny_model
+
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="record_window"):
+            SparseKVCache(tiny_model("llama"), EvictionConfig(budget=1.0), "full",
+                          record=("window",), record_window=bad)
+
+
+def test_a_missing_file_is_a_cli_exit_2_naming_it(tmp_path, capsys):
+    from sparsekv.cli import main
+
+    assert main(["eval", "--config", str(tmp_path / "absent.yaml")]) == 2
+    missing = tmp_path / "rows.jsonl"
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "prompts.jsonl").write_text("")
+    code = main(["eval", "--out", str(tmp_path / "out"), "--ingest", str(missing)])
+    assert code == 2 and "rows.jsonl" in capsys.readouterr().err
