@@ -470,6 +470,8 @@ class SparseKVCache(Cache):
     ):
         if not isinstance(config, EvictionConfig):
             raise ValueError(f"config must be an EvictionConfig, got {type(config).__name__}")
+        if not hasattr(getattr(model, "config", None), "model_type"):
+            raise TypeError(f"model must be a Hugging Face causal LM, got {type(model).__name__}")
         self.model = model
         self.config = config
         self.policy = get_policy(policy)

@@ -156,6 +156,8 @@ def _lora_applied(model, lora) -> Iterator[None]:
 
 def _as_ids(ids: Any, name: str, device: torch.device) -> torch.Tensor:
     """A list of ints, a 1-D tensor or a `(1, n)` tensor -> `(1, n)` long tensor on `device`."""
+    if isinstance(ids, str):
+        raise TypeError(f"{name} must be token ids, got a string (compress_text takes text)")
     t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.long)
     if t.ndim == 1:
         t = t[None]
@@ -168,6 +170,8 @@ def _as_ids(ids: Any, name: str, device: torch.device) -> torch.Tensor:
         raise ValueError(f"{name} is empty: at least one token is needed")
     if t.dtype not in (torch.long, torch.int, torch.int32):
         raise ValueError(f"{name} must hold integer token ids, got dtype {t.dtype}")
+    if int(t.min()) < 0:
+        raise ValueError(f"{name} holds a negative token id ({int(t.min())})")
     return t.to(device, torch.long)
 
 
@@ -380,6 +384,9 @@ def compress(
     spec["lora"] = lora and _adapter_lora(built) is not None
     device = next(model.parameters()).device
     ids = _as_ids(context_ids, "context_ids", device)
+    if int(ids.max()) >= (vocab := model.get_input_embeddings().num_embeddings):
+        raise ValueError(f"context_ids holds token id {int(ids.max())}, beyond the vocabulary "
+                         f"({vocab})")
     with _lora_applied(model, _adapter_lora(built) if spec["lora"] else None):
         with SparseKVCache(model, config, built) as cache:
             model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -433,5 +440,7 @@ def compress_text(
     BOS, unless `add_special_tokens=False`) and compressed; ask it with `.ask` / `.ask_many`."""
     if not isinstance(context, str) or not context:
         raise ValueError(f"context={context!r} must be a non-empty string")
+    if not callable(tokenizer):
+        raise TypeError(f"tokenizer={tokenizer!r} must be a Hugging Face tokenizer (text -> ids)")
     ids = tokenizer(context, add_special_tokens=add_special_tokens)["input_ids"]
     return TextContext(compress(model, ids, config, policy), tokenizer)

@@ -54,11 +54,15 @@ CLEAR = [
     ("api", "record_window=0"),  # was silent before SparseKVCache checked it
     ("api", "record_window=-1"),
     ("eval cli", "ingest: missing file"),  # was a raw FileNotFoundError traceback from the CLI
+    ("api", "model=None"),  # was an AttributeError from families.py
+    ("api", "context_ids beyond the vocabulary"),  # was an IndexError from torch's embedding
+    ("api", "context_ids negative"),
+    ("api", "context_ids as a string"),  # was "too many dimensions 'str'"
+    ("api", "compress_text(tokenizer=None)"),  # was "'NoneType' object is not callable"
 ]
 
 NOT_CLEAR = [  # known gaps, recorded in docs/results/bad-inputs/summary.md
-    ("api", "model=None", "unclear"),
-    ("api", "context_ids beyond the vocabulary", "unclear"),
+    ("api", "learned: {'adapter': '/nonexistent/adapter'}", "unclear"),  # an OSError
     ("eval cli", "--source without --ingest", "silent"),
 ]
 
@@ -130,3 +134,24 @@ def test_a_missing_file_is_a_cli_exit_2_naming_it(tmp_path, capsys):
     (tmp_path / "out" / "prompts.jsonl").write_text("")
     code = main(["eval", "--out", str(tmp_path / "out"), "--ingest", str(missing)])
     assert code == 2 and "rows.jsonl" in capsys.readouterr().err
+
+
+def test_compress_names_bad_token_ids_and_a_missing_tokenizer():
+    import torch
+
+    from sparsekv import EvictionConfig, SparseKVCache, compress, compress_text
+    from sparsekv.tiny import tiny_model
+
+    model, cfg = tiny_model("llama"), EvictionConfig(budget=0.5)
+    vocab = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match="context_ids holds token id .* beyond the vocabulary"):
+        compress(model, torch.tensor([[1, 2, vocab]]), cfg)
+    with pytest.raises(ValueError, match="context_ids holds a negative token id"):
+        compress(model, [1, -2, 3], cfg)
+    with pytest.raises(TypeError, match="context_ids must be token ids, got a string"):
+        compress(model, "some text", cfg)
+    with pytest.raises(TypeError, match="tokenizer=None"):
+        compress_text(model, None, "some text", cfg)
+    for bad in (None, "tiny:llama"):
+        with pytest.raises(TypeError, match="model must be a Hugging Face causal LM"):
+            SparseKVCache(bad, cfg, "snapkv")
