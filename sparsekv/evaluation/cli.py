@@ -165,6 +165,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
         return _list()
     if args.readme_plots is not None and not 1 <= len(args.readme_plots) <= 6:
         raise ValueError(f"--readme-plots takes 1 to 6 method names, got {len(args.readme_plots)}")
+    if args.source is not None and not args.ingest:
+        raise ValueError("--source names the producer of --ingest rows; give --ingest ROWS.jsonl with it")
     if args.ingest or args.report_only:
         if not args.out:
             raise ValueError("--ingest and --report-only need --out (the evaluation folder)")

@@ -145,9 +145,12 @@ def _split_plus(value: Any) -> list:
     return value.split("+") if isinstance(value, str) else _split(value)
 
 
-def _split(value: Any) -> list:
+def _split(value: Any, what: str = "list") -> list:
     if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
+        items = [v.strip() for v in value.split(",")]
+        if len(items) > 1 and not all(items[:-1]):  # "a,,b" or ",a" (a trailing comma is fine)
+            raise ValueError(f"{what}={value!r} has an empty item between commas")
+        return [v for v in items if v]
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
@@ -223,21 +226,24 @@ class EvalConfig:
             raise ValueError(f"dtype={self.dtype!r}; allowed values: float32, bfloat16, float16")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation={self.attn_implementation!r}; allowed values: sdpa, eager")
-        self.tasks = [str(t) for t in _split(self.tasks)]
+        self.tasks = [str(t) for t in _split(self.tasks, "tasks")]
         if not self.tasks:
             raise ValueError(f"tasks is empty; known tasks: {', '.join(TASKS)}")
         for t in self.tasks:
             get_task(t)  # raises listing the known tasks
-        self.lengths = [self._length(x) for x in _split(self.lengths)]
+        self.lengths = [self._length(x) for x in _split(self.lengths, "lengths")]
         if not self.lengths:
             raise ValueError("lengths is empty; give prompt lengths in tokens, e.g. 1024,4096")
-        pols = [p for p in _split(self.policies) if p != REFERENCE]
+        if self.policies in ("", []) or (isinstance(self.policies, str) and not self.policies.strip()):
+            raise ValueError("policies is empty; give at least one policy (the full cache always runs "
+                             "as the reference; `sparsekv eval --list` shows them)")
+        pols = [p for p in _split(self.policies, "policies") if p != REFERENCE]
         self.policies = pols
         self._parsed = [parse_policy(p) for p in pols]
-        self.budgets = [parse_budget(b) for b in _split(self.budgets)]
+        self.budgets = [parse_budget(b) for b in _split(self.budgets, "budgets")]
         if not self.budgets and any(p.budgets is None for p in self._parsed):
             raise ValueError("budgets is empty; give fractions in (0, 1] such as 0.1,0.3")
-        self.protocols = [str(p) for p in _split(self.protocols)]
+        self.protocols = [str(p) for p in _split(self.protocols, "protocols")]
         bad = [p for p in self.protocols if p not in PROTOCOLS]
         if bad or not self.protocols:
             raise ValueError(f"protocols={self.protocols!r}; allowed values: {', '.join(PROTOCOLS)}")
