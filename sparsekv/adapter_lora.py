@@ -142,6 +142,21 @@ def quiet_peft() -> Iterator[None]:
         yield
 
 
+def unload_lora(
+    peft_model: nn.Module, model: nn.Module, grads: dict[str, bool], training: bool
+) -> None:
+    """Take a LoRA out of `model` again (no merge): unload the `peft_model` wrapper, drop the
+    attributes peft set on the model, and restore each parameter's `requires_grad` (`grads`, by
+    name) and the train/eval mode (`training`) recorded before the LoRA went in."""
+    peft_model.unload()
+    for attr in ("peft_config", "_hf_peft_config_loaded"):
+        if attr in vars(model) and not hasattr(type(model), attr):
+            delattr(model, attr)
+    for name, p in model.named_parameters():
+        p.requires_grad_(grads.get(name, p.requires_grad))
+    model.train(training)
+
+
 @contextmanager
 def apply_lora(model: nn.Module, lora: LoraWeights) -> Iterator[nn.Module]:
     """Inject `lora` into `model` for the `with` block (yields the `PeftModel` wrapper; `model`
@@ -162,10 +177,4 @@ def apply_lora(model: nn.Module, lora: LoraWeights) -> Iterator[nn.Module]:
         peft_model.eval()
         yield peft_model
     finally:
-        peft_model.unload()
-        for attr in ("peft_config", "_hf_peft_config_loaded"):
-            if attr in vars(model) and not hasattr(type(model), attr):
-                delattr(model, attr)
-        for name, p in model.named_parameters():
-            p.requires_grad_(grads.get(name, p.requires_grad))
-        model.train(training)
+        unload_lora(peft_model, model, grads, training)

@@ -182,6 +182,8 @@ def trainable_lora(model: nn.Module, cfg: LoraTrainConfig, seed: int = 0) -> Ite
     model's modules, `requires_grad` flags and mode come back as they were."""
     from peft import get_peft_model
 
+    from sparsekv.adapter_lora import unload_lora
+
     grads = {name: p.requires_grad for name, p in model.named_parameters()}
     training = model.training
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
@@ -198,13 +200,7 @@ def trainable_lora(model: nn.Module, cfg: LoraTrainConfig, seed: int = 0) -> Ite
                 module.train()  # ... but the LoRA's own dropout (cfg.dropout) stays on
         yield peft_model
     finally:
-        peft_model.unload()
-        for attr in ("peft_config", "_hf_peft_config_loaded"):
-            if attr in vars(model) and not hasattr(type(model), attr):
-                delattr(model, attr)
-        for name, p in model.named_parameters():
-            p.requires_grad_(grads.get(name, p.requires_grad))
-        model.train(training)
+        unload_lora(peft_model, model, grads, training)
 
 
 def lora_parameters(peft_model: nn.Module) -> list[nn.Parameter]:

@@ -35,27 +35,20 @@ import yaml
 from sparsekv.evaluation import decode_tasks
 from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec
 from sparsekv.evaluation.decode import DecodeTrace, run_decode
-from sparsekv.evaluation.tasks import Sample, get_task, make_sample
+from sparsekv.evaluation.plan import build_samples
+from sparsekv.evaluation.tasks import Sample, get_task
 
 _SETUP = ("model", "dtype", "attn_implementation", "seed", "eviction", "task_options")
 
 
 def decode_samples(cfg: EvalConfig, codec) -> list[Sample]:
-    """The grid's decode samples, in order index -> task -> length."""
-    out = []
-    for i in range(cfg.samples):
-        for task in cfg.tasks:
-            if get_task(task).kind != decode_tasks.DECODE_KIND:
-                raise ValueError(f"task {task!r} is not a decode task; decode tasks: "
-                                 f"{', '.join(t for t, s in _decode_specs())}")
-            opts = dict(cfg.task_options.get(task, {}))
-            max_new = opts.pop("max_new_tokens", None)
-            for length in cfg.lengths:
-                s = make_sample(task, codec, length, i, seed=cfg.seed, **opts)
-                if max_new is not None:
-                    s.max_new_tokens = int(max_new)
-                out.append(s)
-    return out
+    """The grid's decode samples, in order index -> task -> length (`plan.build_samples`, after
+    checking that every task is a decode task)."""
+    for task in cfg.tasks:
+        if get_task(task).kind != decode_tasks.DECODE_KIND:
+            raise ValueError(f"task {task!r} is not a decode task; decode tasks: "
+                             f"{', '.join(t for t, s in _decode_specs())}")
+    return build_samples(cfg, codec)
 
 
 def _decode_specs():
