@@ -517,6 +517,7 @@ class SparseKVCache(Cache):
         self._in_chunked_prefill = False
         self.step_inputs: tuple | None = None  # (input_ids, attention_mask, position_ids) of the last forward
         self.in_repeat = False  # a repeat pass is running its forwards through this cache
+        self._repeat_memo: dict = {}  # fork(): repeat attention per (policy.repeat_key(), sinks)
         self._use_sparse_attention(model)
         self._install_hooks(model)
         self._finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
@@ -566,6 +567,7 @@ class SparseKVCache(Cache):
     def close(self) -> None:
         """Remove the hooks this cache installed on the model."""
         self.shared.first_hidden = None
+        self._repeat_memo.clear()
         self._finalizer()
 
     def __enter__(self) -> SparseKVCache:
@@ -621,7 +623,12 @@ class SparseKVCache(Cache):
                 raise ValueError(f"fork() with policy {policy.name!r} needs the input_ids of a prefill "
                                  "done in one forward of this cache")
             new.step_inputs = self.step_inputs
-            score_pending(new)
+            key = policy.repeat_key()
+            if key is None:
+                score_pending(new)
+            else:  # the repeat sees the same entries in every fork: run it once per key
+                key = (key, config.sink_tokens)
+                self._repeat_memo[key] = score_pending(new, self._repeat_memo.get(key))
         return new
 
     def _install_hooks(self, model) -> None:

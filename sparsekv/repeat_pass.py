@@ -133,14 +133,23 @@ def _restore(cache: SparseKVCache, snap: tuple[list[dict], Any]) -> None:
 
 
 @torch.no_grad()
-def score_pending(cache: SparseKVCache) -> None:
+def score_pending(
+    cache: SparseKVCache, attention: dict[int, torch.Tensor] | None = None
+) -> dict[int, torch.Tensor] | None:
     """Score the entries the last forward through `cache` left pending by repeating that
     forward's tokens (`cache.step_inputs`), then let each budgeted layer evict. A no-op when
-    nothing is pending."""
+    nothing is pending (returns None). Returns what each budgeted layer was scored with,
+    `{layer index: (batch, kv_heads, stored)}`; passing that back as `attention` for a cache
+    holding the same entries with the same pending tokens (another fork of one recorded
+    prefill, see `SparseKVCache.fork`) scores it without running the repeat again."""
     layers = [cache.layers[i] for i in cache.budgeted_layers]
     pending = {layer.pending for layer in layers}
     if pending == {0}:
-        return
+        return None
+    if attention is not None:
+        for layer in layers:
+            layer.finish_repeat(attention[layer.layer_idx])
+        return attention
     ids, mask, step_pos = cache.step_inputs if cache.step_inputs is not None else (None, None, None)
     if ids is None or len(pending) != 1 or ids.shape[1] != pending.pop():
         raise ValueError(
@@ -182,6 +191,7 @@ def score_pending(cache: SparseKVCache) -> None:
             raise RuntimeError(f"the repeat forward did not reach the evicting layers {missing}")
         for idx, stat in col.stats.items():
             stats[idx].append((start, end, stat))
+    used = {}
     for layer in layers:
         keys = layer.keys
         b, h, stored = keys.shape[0], keys.shape[1], keys.shape[2]
@@ -190,3 +200,5 @@ def score_pending(cache: SparseKVCache) -> None:
         for start, end, stat in stats[layer.layer_idx]:
             att[..., first + start : first + end] = stat
         layer.finish_repeat(att)
+        used[layer.layer_idx] = att
+    return used

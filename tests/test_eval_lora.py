@@ -1,6 +1,7 @@
 """The evaluation harness runs a learned adapter's LoRA: applied for the method's whole run
-(which prefills live, never forked from the plain model's shared prefill), removed after it
-(the plain model bitwise unchanged), and `lora: false` runs the same adapter without it."""
+(which forks from a prefill recorded with the LoRA applied, never from the plain model's),
+removed after it (the plain model bitwise unchanged), and `lora: false` runs the same adapter
+without it."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def _adapter(folder: Path, model, nonzero: bool) -> Path:
     return ScorerAdapter.for_model(model, hidden=8).save_pretrained(folder, lora=peft_model)
 
 
-def _grid(out: Path, adapter: Path) -> EvalConfig:
+def _grid(out: Path, adapter: Path, shared: bool = True) -> EvalConfig:
     return EvalConfig(
+        shared_prefill=shared,
         out=str(out),
         model="tiny:llama",
         tasks=["passkey", "ppl"],
@@ -56,7 +58,7 @@ def _grid(out: Path, adapter: Path) -> EvalConfig:
     )
 
 
-def _run(tmp_path: Path, nonzero: bool):
+def _run(tmp_path: Path, nonzero: bool, shared: bool = True):
     from sparsekv.evaluation.models import load_model
     from sparsekv.evaluation.runner import run_eval
 
@@ -64,7 +66,7 @@ def _run(tmp_path: Path, nonzero: bool):
     before = {n: t.detach().clone() for n, t in model.state_dict().items()}
     names = [n for n, _ in model.named_modules()]
     adapter = _adapter(tmp_path / "adapter", model, nonzero)
-    cfg = _grid(tmp_path / "run", adapter)
+    cfg = _grid(tmp_path / "run", adapter, shared)
     out = run_eval(cfg, model=model, codec=codec, progress=False, report=False)
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines() if x.strip()]
     after = model.state_dict()
@@ -104,20 +106,37 @@ def test_a_nonzero_lora_changes_the_rows_and_the_model_comes_back_bitwise(nonzer
         p = plain[key]
         assert r["policy_spec"].endswith("@lora=true") and "@lora=False" in p["policy_spec"]
         assert r["adapter_hash"] == p["adapter_hash"]  # one adapter; its hash covers the LoRA
-        assert not r["prefill_shared"] and p["prefill_shared"]  # the LoRA run prefilled live
+        assert r["prefill_shared"] and p["prefill_shared"]  # each forked from its own prefill
         assert r["kl"] != pytest.approx(p["kl"], rel=1e-3, abs=1e-6), key
     # the reference and the other methods ran on the plain model (forked from its prefill)
     assert all(r["prefill_shared"] for r in rows if r["policy"] in ("full", "snapkv"))
 
 
-def test_the_lora_method_is_not_forked_and_resume_keeps_its_rows(nonzero):
+def test_the_lora_fork_gives_the_rows_of_a_live_lora_prefill(nonzero, tmp_path):
+    """The LoRA method's fork of the prefill recorded with its LoRA applied keeps what a live
+    prefill with the LoRA keeps, and answers the same (the plain rows as well)."""
+    rows, *_ = nonzero
+    live, *_ = _run(tmp_path, nonzero=True, shared=False)
+    assert {r["prefill_shared"] for r in live} == {False}
+    shared = {(r["sample_id"], r["protocol"], r["policy"]): r for r in rows}
+    assert len(live) == len(shared)
+    for b in live:
+        a = shared[(b["sample_id"], b["protocol"], b["policy"])]
+        assert a["output_ids"] == b["output_ids"], a["policy"]
+        assert a["kv_bytes_compressed"] == b["kv_bytes_compressed"], a["policy"]
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-3, abs=1e-7), a["policy"]
+        if a["task"] == "ppl":
+            assert a["nll"] == pytest.approx(b["nll"], rel=1e-5), a["policy"]
+
+
+def test_the_lora_method_forks_its_own_prefill_and_resume_keeps_its_rows(nonzero):
     from sparsekv.evaluation.execute import Runner
     from sparsekv.evaluation.runner import run_eval
 
     rows, cfg, model, codec = nonzero
     forks = Runner(model, codec, cfg).plan().forkable
     by_label = {s.label: forks[s.spec] for s in cfg.policy_specs}
-    assert by_label == {"snapkv": True, "learned + LoRA": False, "learned": True}
+    assert by_label == {"snapkv": True, "learned + LoRA": True, "learned": True}
     run_eval(cfg, model=model, codec=codec, progress=False, report=False, resume=True)
     again = [json.loads(x) for x in (Path(cfg.out) / "results.jsonl").read_text().splitlines()]
     assert len(again) == len(rows)  # nothing rerun: the `@lora=true` spec text matches
@@ -130,7 +149,7 @@ def test_a_zero_lora_gives_the_rows_of_the_adapter_without_it(tmp_path):
     assert lora.keys() == plain.keys() and len(lora) == 3
     for key, r in lora.items():
         p = plain[key]
-        assert not r["prefill_shared"]
+        assert r["prefill_shared"]
         assert r["output_ids"] == p["output_ids"], key
         assert r["kv_bytes_compressed"] == p["kv_bytes_compressed"], key
         assert r["kl"] == pytest.approx(p["kl"], rel=1e-3, abs=1e-7), key

@@ -236,6 +236,40 @@ def test_fork_equals_live_prefill(family, name):
     ]
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_forks_of_one_prefill_run_the_repeat_once_and_equal_live_prefills(family):
+    """Every budget's kvzip fork of one recorded prefill keeps what its own live prefill keeps,
+    and only the first fork runs the repeat forward (the others reuse its attention); a policy
+    with another chunk layout runs its own."""
+    model = _model(family)
+    ids = _ids()
+    rec = SparseKVCache(model, EvictionConfig(budget=1.0), "full", record=("last",))
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, cache=rec, use_cache=True)
+            calls.clear()
+            for i, budget in enumerate((0.2, 0.3, 0.5)):
+                cfg = _config(budget)
+                forked = rec.fork(cfg, _policy("kvzip"))
+                assert len(calls) == (-(-N // CHUNK) if i == 0 else 0), budget  # one per chunk
+                calls.clear()
+                live = SparseKVCache(model, cfg, _policy("kvzip"))
+                model(input_ids=ids, cache=live, use_cache=True)
+                calls.clear()
+                assert forked.layer_lengths() == live.layer_lengths()
+                for a, b in zip(live.layers, forked.layers):
+                    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            rec.fork(_config(0.3), policies.get("kvzip", encode=CODEC.encode, chunk=CHUNK + 1))
+            assert calls, "a different repeat_key must run its own repeat"
+    finally:
+        hook.remove()
+    assert len(rec._repeat_memo) == 2
+    rec.close()
+    assert not rec._repeat_memo
+
+
 def test_later_multi_token_step_is_repeated_and_older_scores_carried():
     model = _model("llama", torch.float32)
     cache = SparseKVCache(model, _config(), _policy("kvzip"))

@@ -24,9 +24,11 @@ described in `rows.py` (learned policies' rows carry `adapter_hash`).
 
 A learned method whose adapter carries a LoRA (and whose spec does not say `lora: false`) runs
 with that LoRA applied to the model (`sparsekv.adapter_lora.apply_lora`) for its whole run:
-prefill, question and decoding. It never forks from the shared prefill (recorded on the plain
-model; `plan.uses_lora`), and the LoRA is removed after the run, so the reference and the other
-methods see the plain model (checked after each group: the same parameter tensors, unmodified).
+prefill, question and decoding. It never forks from the plain model's shared prefill: each LoRA
+gets its own shared prefill, recorded with that LoRA applied, and its budgets fork from that one
+(one LoRA prefill per prompt instead of one per budget; `shared_prefill: false` prefills it live).
+The LoRA is removed after each use, so the reference and the other methods see the plain model
+(checked after each group: the same parameter tensors, unmodified).
 Its rows' `policy_spec` ends in `@lora=true`; `adapter_hash` covers the LoRA tensors.
 """
 
@@ -178,9 +180,12 @@ class Runner:
         )
 
     @torch.no_grad()
-    def _prefill_shared(self, sample: Sample, protocol: str) -> _SharedPrefill:
+    def _prefill_shared(
+        self, sample: Sample, protocol: str, spec: PolicySpec | None = None
+    ) -> _SharedPrefill:
         """Prefill the compressed part of the prompt once, with the full cache recording what
-        every forkable policy needs."""
+        every forkable policy needs; on the model that `spec` runs on (its LoRA applied for the
+        forward, see `applied`), the plain model when `spec` is None."""
         from sparsekv import EvictionConfig, SparseKVCache
 
         ids = sample.context_ids if self._split(sample, protocol) else sample.prompt_ids
@@ -191,11 +196,12 @@ class Runner:
             record=self.forks.record,
             record_window=self.forks.record_window,
         )
-        with M.PeakRSS() as rss:
+        with M.PeakRSS() as rss, self.applied(spec):
             t0 = time.perf_counter()
             logits = self._forward(ids, rec, 1)
             seconds = time.perf_counter() - t0
-        return _SharedPrefill(rec, logits, seconds, rss.peak)
+        lora = self.lora_of(spec) if spec is not None else None
+        return _SharedPrefill(rec, logits, seconds, rss.peak, lora)
 
     @torch.no_grad()
     def _execute(
@@ -313,12 +319,26 @@ class Runner:
             yield from decode_rows(self, sample, skip)
             return
         forkable = self.forks.forkable
+        plain = [s for s in self.cfg.policy_specs if self.lora_of(s) is None]
         # the reference row comes from the shared prefill whenever the grid has one (as in a
         # fresh run); a reference needed only for KL is taken the cheapest way
-        wanted = any(forkable[s.spec] for s, _ in runs) or (
-            REFERENCE_KEY not in skip and any(forkable.values())
+        wanted = any(forkable[s.spec] and self.lora_of(s) is None for s, _ in runs) or (
+            REFERENCE_KEY not in skip and any(forkable[s.spec] for s in plain)
         )
         shared = self._prefill_shared(sample, protocol) if wanted else None
+        # one prefill per LoRA, recorded with it applied, made when its first run needs it
+        lora_shared: dict[int, _SharedPrefill] = {}
+
+        def prefill_of(spec: PolicySpec) -> _SharedPrefill | None:
+            if not forkable[spec.spec]:
+                return None
+            lora = self.lora_of(spec)
+            if lora is None:
+                return shared
+            if id(lora) not in lora_shared:
+                lora_shared[id(lora)] = self._prefill_shared(sample, protocol, spec)
+            return lora_shared[id(lora)]
+
         lora_runs = any(self.lora_of(s) is not None for s, _ in runs)
         before = self._weights_state() if lora_runs else None
         try:
@@ -334,17 +354,16 @@ class Runner:
             if REFERENCE_KEY not in skip:
                 yield row
             for spec, budget in runs:
-                yield self.run_policy(
-                    sample, protocol, spec, budget, ref, shared if forkable[spec.spec] else None
-                )
+                yield self.run_policy(sample, protocol, spec, budget, ref, prefill_of(spec))
             if before is not None and self._weights_state() != before:
                 raise RuntimeError(
                     f"the model's weights changed during {sample.sample_id} ({protocol}): an "
                     "adapter's LoRA was not removed exactly; the rows after it are not valid"
                 )
         finally:
-            if shared is not None:
-                shared.cache.close()
+            for pre in (shared, *lora_shared.values()):
+                if pre is not None:
+                    pre.cache.close()
 
     def run_reference(
         self, sample: Sample, protocol: str, start=None, shared: _SharedPrefill | None = None
@@ -375,10 +394,10 @@ class Runner:
         """One policy at one budget; a crash becomes a row with `error` set and score 0."""
         row = self._row(sample, protocol, spec.label, spec.spec, budget, spec)
         try:
-            if shared is not None and self.lora_of(spec) is not None:
+            if shared is not None and shared.lora is not self.lora_of(spec):
                 raise ValueError(
-                    f"{spec.spec} runs its adapter's LoRA: it prefills live, it cannot fork a "
-                    "prefill recorded on the plain model"
+                    f"{spec.spec} cannot fork a prefill recorded on another model (its adapter's "
+                    "LoRA applied or not): a fork must start from a prefill of the model it runs on"
                 )
             if shared is not None:
 
@@ -408,10 +427,12 @@ class Runner:
 
 @dataclass
 class _SharedPrefill:
-    """One recorded full-cache prefill: the cache, the last logits `(1, vocab)`, its seconds and
-    the process's peak resident memory during it (bytes)."""
+    """One recorded full-cache prefill: the cache, the last logits `(1, vocab)`, its seconds, the
+    process's peak resident memory during it (bytes) and the LoRA it ran with (None: the plain
+    model)."""
 
     cache: Any
     logits: torch.Tensor
     seconds: float
     peak_rss: int
+    lora: Any = None

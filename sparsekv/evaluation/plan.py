@@ -99,16 +99,16 @@ def uses_lora(spec: PolicySpec, policy: Any) -> bool:
 def plan_forks(cfg: EvalConfig, built: dict[str, Any]) -> ForkPlan:
     """Decide which methods fork from the one recorded prefill of each sample. `built` maps each
     spec text to its built policy. Methods with `prefill_chunk`, or whose observation window
-    differs from the most common one, prefill live; so do methods that run their adapter's LoRA
-    (`uses_lora`: the LoRA changes the hidden states, so a prefill recorded on the plain model
-    is not theirs); `shared_prefill: false` makes all live."""
+    differs from the most common one, prefill live; `shared_prefill: false` makes all live. A
+    method that runs its adapter's LoRA (`uses_lora`: the LoRA changes the hidden states, so the
+    plain model's prefill is not its own) forks from a prefill recorded with that LoRA applied
+    (`execute.Runner.run_group` makes one per LoRA and prompt)."""
     windows = Counter(p.window for p in built.values() if needs(p) == "window")
     record_window = windows.most_common(1)[0][0] if windows else 32
     forkable = {
         spec.spec: bool(cfg.shared_prefill)
         and prefill_chunk(cfg, spec) is None
         and (needs(built[spec.spec]) != "window" or built[spec.spec].window == record_window)
-        and not uses_lora(spec, built[spec.spec])
         for spec in cfg.policy_specs
     }
     wanted = {needs(built[key]) for key, ok in forkable.items() if ok}

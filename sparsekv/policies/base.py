@@ -116,6 +116,12 @@ class Policy:
     schedule: ClassVar[str | None] = None
     scores_after_prefill: ClassVar[bool] = False
 
+    def repeat_key(self) -> Any:
+        """For a `scores_after_prefill` policy: a hashable value equal for two policies whose
+        repeat pass pays the same attention on the same cache (`SparseKVCache.fork` then runs
+        that repeat once per recorded prefill); None: never shared."""
+        return None
+
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """Return `(batch, kv_heads, seq)` scores for every stored entry; higher = keep."""
         raise NotImplementedError

@@ -21,7 +21,8 @@ are inside the protected recent window at first anyway).
 
 It needs the whole uncompressed context during the repeat: `prefill_chunk` is refused by the
 cache, and `SparseKVCache.fork` of a recorded full prefill runs the repeat on the fork before
-evicting. The repeat prompt's text becomes ids through the model's tokenizer: pass
+evicting (once per recorded prefill: later forks with the same `repeat_key`, e.g. the other
+budgets, reuse its attention). The repeat prompt's text becomes ids through the model's tokenizer: pass
 `tokenizer=` (a Hugging Face tokenizer) or `encode=` (any `str -> list[int]` without special
 tokens, e.g. the evaluation codec's `encode`).
 """
@@ -72,6 +73,10 @@ class KVzipPolicy(Policy):
     def repeat_inputs(self, ids: Sequence[int]) -> list[tuple[list[int], int, int]]:
         """The repeat forwards over the prefilled `ids`: `(input ids, start, end)` per chunk."""
         return repeat_ids(ids, self.encode, self.chunk, self.overlap)
+
+    def repeat_key(self) -> tuple:
+        """The repeat depends on the prompt's ids (`encode`) and the chunk layout only."""
+        return ("kvzip", self.encode, self.chunk, self.overlap)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         out = ctx.carry()
