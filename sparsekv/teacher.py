@@ -11,12 +11,24 @@ with `p[h, i, j]` the attention probability of query `i` on key `j`:
     mass:  r[g, j] = sum_i  w_i * a[g, i, j]        max:  r[g, j] = max_i  w_i * a[g, i, j]
 
 over the queries `i` that may see `j` (with `exclude_self`, `i > j` only: the entry's own query
-has been served before any eviction can happen, so it says nothing about keeping it).
+has been served before any eviction can happen, so it says nothing about keeping it; with
+`min_distance` D, `i >= j + D` only: the attention a token receives once it is at least D
+positions old). The two combine as one rule, `i - j >= max(D, 1 if exclude_self else 0)`:
+`exclude_self=True` is the `D = 1` case, and any `D >= 1` excludes the self term whatever
+`exclude_self` says.
+
+**Decode-time targets (`min_distance`).** A cache that always keeps its newest `recent_window`
+tokens (64 here) never decides about a token while it is inside that window; what decides its
+eviction during generation is the attention it receives after it has left the window.
+`min_distance=64` makes the target exactly that: only queries 64 or more positions later count.
+The last D real tokens of a sequence then have no counted query and a target of 0; train with
+the loss's `recent_window >= D` so they stay out of the loss.
 `normalize` removes the bias that counting gives early tokens:
 
 - "none": `w_i = 1`, raw sums. Early tokens collect from up to n queries, late ones from few.
-- "length" (default): `w_i = 1`, then the mass is divided by the number of queries that could
-  see `j`: the mean attention one later query pays to `j`. This removes the linear counting
+- "length" (default): `w_i = 1`, then the mass is divided by the number of queries that count
+  for `j` (may see it and are far enough after it, see `min_distance`): the mean attention one
+  such query pays to `j`. This removes the linear counting
   bias; a residual ~log(n/j) favour of early tokens remains (a query at position i spreads over
   i+1 keys, and early tokens are also seen by the early, concentrated queries). For "max" it
   changes nothing (a max is already per query).
@@ -128,6 +140,13 @@ class TargetConfig:
     reconstruction_weight: float = 0.5
     """Under signal=both: target = (1 - w) x questions target + w x reconstruction target, both
     distributions over the sequence; in [0, 1]."""
+    min_distance: int = 0
+    """Only queries at least this many positions after a key count towards its statistic (and
+    towards the "length" / "uniform" count): the decode-time target, e.g. 64 = the attention a
+    token receives after it has left a 64-token recent window. 0 = every query that may see the
+    key. Combines with `exclude_self` as `i - j >= max(min_distance, 1 if exclude_self else 0)`.
+    Applies to the attention of the sequence's own queries (signal questions, and the questions
+    part of both); a repeat of the context is always counted whole. An int >= 0."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -154,6 +173,12 @@ class TargetConfig:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 <= w <= 1.0):
             raise ValueError(f"reconstruction_weight={w!r} must be a number in [0, 1]")
         self.reconstruction_weight = float(w)
+        md = self.min_distance
+        if isinstance(md, bool) or not isinstance(md, int) or md < 0:
+            raise ValueError(
+                f"min_distance={md!r} must be an int >= 0 (0 = every later query counts; "
+                "64 = only queries at least 64 positions after the key)"
+            )
         if self.kind == "kvzip_plus" and self.signal != "reconstruction":
             raise ValueError(
                 f"kind='kvzip_plus' is read from the reconstruction pass: it needs "
@@ -193,7 +218,11 @@ class TargetConfig:
                 f"later layers' KV heads: {self.cross_head}"
             )
         own = "excluding" if self.exclude_self else "including"
-        line = f"attention {self.stat} ({self.normalize}-normalized, {own} self-attention); {mix}"
+        if self.min_distance > 1 or (self.min_distance == 1 and not self.exclude_self):
+            own = f"from queries >= {self.min_distance} positions later only"
+        else:
+            own = f"{own} self-attention"
+        line = f"attention {self.stat} ({self.normalize}-normalized, {own}); {mix}"
         if self.signal == "reconstruction":
             return f"{line}; from the queries of a repeat of the context (full-attention layers)"
         if self.signal == "both":
@@ -231,6 +260,7 @@ def attention_received(
     key_padding: torch.Tensor | None = None,
     normalize: str = "none",
     exclude_self: bool = False,
+    min_distance: int = 0,
 ) -> torch.Tensor:
     """Attention each key receives from the queries that may see it, per KV head.
 
@@ -243,8 +273,9 @@ def attention_received(
     `scaling` and `softcap` are the layer's (logits = tanh(q.k * scaling / softcap) * softcap).
 
     `stat`: "mass" sums over queries, "max" takes the max; both after summing the probabilities
-    over the query heads of each KV group. `normalize` and `exclude_self`: see the module
-    docstring. Returns `(batch, kv_heads, seq)` float32.
+    over the query heads of each KV group. `normalize`, `exclude_self` and `min_distance` (only
+    queries at position >= key + min_distance count; combined with exclude_self as
+    max(min_distance, 1)): see the module docstring. Returns `(batch, kv_heads, seq)` float32.
 
     Queries are processed `block_size` at a time against only the keys they may see, so the
     extra memory is O(batch x heads x block_size x seq), never seq x seq. No gradient flows.
@@ -257,6 +288,9 @@ def attention_received(
         )
     if block_size < 1:
         raise ValueError(f"block_size={block_size!r} must be >= 1")
+    if isinstance(min_distance, bool) or not isinstance(min_distance, int) or min_distance < 0:
+        raise ValueError(f"min_distance={min_distance!r} must be an int >= 0")
+    gap = max(min_distance, 1 if exclude_self else 0)  # counted: query - key >= gap
     b, hq, q_len, d = query.shape
     kb, hk, n, kd = key.shape
     if kb != b or kd != d or hq != hk * num_kv_groups:
@@ -308,11 +342,11 @@ def attention_received(
         probs = torch.softmax(logits, dim=-1)
         del logits
 
-        counted = allowed  # which (query, key) pairs count: valid query, may see, not self
+        counted = allowed  # which (query, key) pairs count: valid query, may see, far enough
         if valid is not None:
             counted = counted & valid[:, None, offset + s : offset + e, None]
-        if exclude_self:
-            counted = counted & (kpos[None, :] != qpos[:, None])[None, None]
+        if gap > 0:
+            counted = counted & (qpos[:, None] - kpos[None, :] >= gap)[None, None]
         if normalize == "uniform":
             seen = allowed.sum(-1, keepdim=True).to(torch.float32)  # keys each query sees
             probs.mul_(seen[:, :, None])
@@ -344,7 +378,8 @@ def collect_attention_stats(
     """One frozen forward of `model` on `input_ids` `(batch, seq)`; returns `TeacherStats`.
 
     `received[l]` `(batch, kv_heads, seq)` for every layer in `layers` (default: all layers),
-    computed with `target.stat`, `target.normalize` and `target.exclude_self`;
+    computed with `target.stat`, `target.normalize`, `target.exclude_self` and
+    `target.min_distance`;
     `hidden_states[l]` `(batch, seq, hidden)` for every layer in `hidden_layers` (default: all).
     `target` defaults to `TargetConfig()`. `attention_mask` `(batch, seq)`: 1 = real token (left or right padding both work).
     See `sparsekv.teacher_forward.teacher_forward` for how the forward runs.
@@ -367,6 +402,7 @@ def collect_attention_stats(
             key_padding=valid,
             normalize=target.normalize,
             exclude_self=target.exclude_self,
+            min_distance=target.min_distance,
         )
 
     hidden = teacher_forward(

@@ -168,6 +168,7 @@ def _row_statistics(
                 sliding_window=kwargs.get("sliding_window"),
                 normalize=target.normalize,
                 exclude_self=target.exclude_self,
+                min_distance=target.min_distance,
                 **common,
             )
         if layer not in r_layers:

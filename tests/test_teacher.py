@@ -35,7 +35,9 @@ def _inputs(padding: str = "left", seed: int = 1):
     return ids, mask
 
 
-def _reference(model, ids, mask, stat="mass", normalize="none", exclude_self=False):
+def _reference(
+    model, ids, mask, stat="mass", normalize="none", exclude_self=False, min_distance=0
+):
     """received[l] from the full (batch, heads, seq, seq) eager attention probabilities."""
     out = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
     shape = model_shape(model)
@@ -52,6 +54,8 @@ def _reference(model, ids, mask, stat="mass", normalize="none", exclude_self=Fal
         counted = allowed & valid[:, :, None]
         if exclude_self:
             counted = counted & ~torch.eye(n, dtype=torch.bool)[None]
+        if min_distance:  # only queries i >= j + min_distance count for key j
+            counted = counted & (pos[:, None] - pos[None, :] >= min_distance)[None]
         p = probs.double()
         if normalize == "uniform":
             p = p * allowed.sum(-1)[:, None, :, None]
@@ -107,6 +111,91 @@ def test_statistic_variants_match_reference(stat, normalize, exclude_self):
         )
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize(
+    "stat,normalize,exclude_self,min_distance",
+    [
+        ("mass", "length", True, 20),
+        ("mass", "length", False, 20),  # min_distance >= 1 drops the self term whatever exclude_self
+        ("mass", "none", True, 40),  # > the tiny gemma3 window (32): its sliding layers get 0
+        ("mass", "uniform", False, 5),
+        ("max", "none", True, 20),
+        ("mass", "length", False, 1),  # == exclude_self=True
+    ],
+)
+def test_min_distance_matches_reference(family, stat, normalize, exclude_self, min_distance):
+    model = tiny_model(family, "eager")
+    ids, mask = _inputs("left")
+    ref = _reference(model, ids, mask, stat, normalize, exclude_self, min_distance)
+    cfg = TargetConfig(
+        stat=stat, normalize=normalize, exclude_self=exclude_self, min_distance=min_distance
+    )
+    stats = collect_attention_stats(model, ids, mask, cfg, block_size=16)
+    plain = collect_attention_stats(
+        model, ids, mask, TargetConfig(stat=stat, normalize=normalize), block_size=16
+    )
+    for layer, r in ref.items():
+        got = stats.received[layer]
+        torch.testing.assert_close(got, r, atol=1e-5 * max(1.0, r.abs().max().item()), rtol=0)
+        # the last min_distance positions have no query far enough after them
+        assert (got[..., SEQ - min_distance :] == 0).all()
+        if min_distance > 1:  # a different statistic from the prompt-time one
+            assert not torch.allclose(got, plain.received[layer], atol=1e-4)
+    if min_distance == 1:
+        for layer in ref:
+            torch.testing.assert_close(stats.received[layer], plain.received[layer])
+    if family == "gemma3" and min_distance >= 32:  # window 32: no sliding query is that far
+        shape = model_shape(model)
+        for layer, kind in enumerate(shape.layer_types):
+            if kind == "sliding_attention":
+                assert (stats.received[layer] == 0).all()
+            else:
+                assert stats.received[layer].sum() > 0
+
+
+def test_min_distance_length_counts_only_far_queries():
+    """Uniform attention over n keys: query i gives 1/(i+1) to each key; with min_distance D the
+    length-normalized statistic of key j is the mean of 1/(i+1) over i = j+D .. n-1."""
+    n, d = 12, 4
+    q = torch.zeros(1, 1, n, d)
+    k = torch.randn(1, 1, n, d)
+    for dist in (0, 1, 3):
+        got = attention_received(
+            q, k, scaling=1.0, num_kv_groups=1, normalize="length", min_distance=dist,
+            block_size=5,
+        )
+        exp = torch.zeros(n)
+        for j in range(n):
+            qs = [i for i in range(j + dist, n)]
+            if qs:
+                exp[j] = sum(1 / (i + 1) for i in qs) / len(qs)
+        torch.testing.assert_close(got[0, 0], exp)
+
+
+def test_min_distance_in_targets_and_validation():
+    model = tiny_model("gemma3", "sdpa")
+    ids, mask = _inputs("right")  # row 1: the last 9 positions are padding
+    cfg = TargetConfig(min_distance=10)
+    targets, _ = teacher_targets(model, ids, mask, cfg, block_size=32)
+    t = targets[3]
+    torch.testing.assert_close(t.sum(-1), torch.ones(2, 2))
+    assert (t[0, :, SEQ - 10 :] == 0).all()
+    assert (t[1, :, SEQ - 9 - 10 :] == 0).all()  # counted in real tokens' positions
+    assert (t[1, :, : SEQ - 19] > 0).any()
+    assert "queries >= 10 positions later" in cfg.describe()
+    assert "excluding self-attention" in TargetConfig().describe()
+    d = cfg.to_dict()
+    assert d["min_distance"] == 10 and TargetConfig.from_dict(json.loads(json.dumps(d))) == cfg
+    for bad in (-1, 2.5, True, "64", None):
+        with pytest.raises(ValueError, match="min_distance"):
+            TargetConfig(min_distance=bad)
+    with pytest.raises(ValueError, match="min_distance"):
+        attention_received(
+            torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), scaling=1.0, num_kv_groups=1,
+            min_distance=-3,
+        )
+
+
 def test_block_size_does_not_change_the_result():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 50, 8, generator=g)
@@ -118,12 +207,15 @@ def test_block_size_does_not_change_the_result():
             scaling=0.3, softcap=5.0, num_kv_groups=2, stat=stat, key_padding=pad, normalize=norm
         )
         for window in (None, 12):
-            results = [
-                attention_received(q, k, block_size=bs, sliding_window=window, **kw)
-                for bs in (1, 7, 50, 999)
-            ]
-            for r in results[1:]:
-                torch.testing.assert_close(r, results[0], atol=1e-6, rtol=1e-6)
+            for dist in (0, 9):
+                results = [
+                    attention_received(
+                        q, k, block_size=bs, sliding_window=window, min_distance=dist, **kw
+                    )
+                    for bs in (1, 7, 50, 999)
+                ]
+                for r in results[1:]:
+                    torch.testing.assert_close(r, results[0], atol=1e-6, rtol=1e-6)
 
 
 def test_fewer_queries_than_keys_are_the_last_positions():

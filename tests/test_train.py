@@ -755,6 +755,23 @@ def test_cached_rows_are_the_computed_tensors(tmp_path, corpus):
     assert make(other).cache.folder != first.cache.folder
 
 
+def test_target_cache_keys_on_min_distance(tmp_path):
+    from sparsekv.teacher import TargetConfig
+    from train.targets import TargetCache
+
+    def folder(target: dict):
+        model = {"base_id": "x", "weights": "0"}
+        return TargetCache(tmp_path, target=target, layers=[3], repeat_prompt_ids=None, model=model).folder
+
+    plain = TargetConfig(stat="max").to_dict()
+    decode = TargetConfig(stat="max", min_distance=64).to_dict()
+    assert folder(decode) != folder(plain)  # a decode-time target never reads prompt-time rows
+    assert folder(decode) != folder({**decode, "min_distance": 32})
+    # the default keeps the key targets had before the option existed
+    legacy = {k: v for k, v in plain.items() if k != "min_distance"}
+    assert folder(plain) == folder(legacy)
+
+
 def test_kvzap_objective_trains_the_kvzap_head_with_mse(corpus):
     from sparsekv.adapter import ScorerAdapter
     from sparsekv.losses import LossConfig

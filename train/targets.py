@@ -14,7 +14,8 @@ row's token ids and attention mask; `fingerprint` the sha256 of everything else 
 depends on: the target definition (`TargetConfig.to_dict()`), the budgeted layers, the repeat
 prompt's ids, the model's identity (base id, shape, dtype and a digest of its first parameter
 tensor) and this module's `FORMAT`. Changing any of them reads from another folder: nothing
-stale is ever served. The teacher block size is left out (it changes nothing but rounding).
+stale is ever served. (`min_distance`, the decode-time option, is part of the target; its default
+0 is left out of the key so that targets cached before the option existed are still found.) The teacher block size is left out (it changes nothing but rounding).
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class TargetCache:
         model: dict[str, Any],
     ):
         self.layers = [int(i) for i in layers]
+        target = dict(target)
+        if target.get("min_distance") == 0:
+            # the default: keyed as before the option existed (same targets, same folder)
+            del target["min_distance"]
         spec = {
             "format": FORMAT,
             "target": target,
