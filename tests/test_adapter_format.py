@@ -19,6 +19,10 @@ SHIPPED = {  # fingerprints taken from the format-1 folders before the conversio
     "gemma3-270m-sparsekv-perlayer": (
         "7de70436b1de53a47c5cadf0aa420caec9b835d52ebfafa2a8793de4f930d5d8"
     ),
+    # the decode-time head (issue 18.4), trained in format 2: its own fingerprint at commit
+    "gemma3-270m-sparsekv-decode": (
+        "d02fba3037a4c1caa767ad0d4797e2edb705f5de1aa8d1632735bd0bfeca1064"
+    ),
 }
 
 
@@ -421,3 +425,13 @@ def test_eval_cli_refuses_a_head_for_another_model(tmp_path, capsys):
     text = rows.read_text() if rows.exists() else ""
     assert code != 0 or "mismatch in model type" in text, (code, err, text)
     assert "mismatch in model type" in err + text
+
+
+def test_decode_checkpoint_records_its_target_and_decode_use():
+    """The decode-time head (configs/train/gemma3-270m-decode.yaml): trained on the attention
+    tokens receive from queries 64+ positions later, with its decode use chosen on seed 1."""
+    adapter = ScorerAdapter.from_pretrained(ROOT / "checkpoints" / "gemma3-270m-sparsekv-decode")
+    target = adapter.config.target
+    assert (target["min_distance"], target["stat"], target["normalize"]) == (64, "mass", "length")
+    assert adapter.settings("decode") == {**adapter.settings("aware"), "blend": 0.5, "blend_mode": "mix"}
+    assert "use `decode`" in (ROOT / "checkpoints" / "gemma3-270m-sparsekv-decode" / "README.md").read_text()
