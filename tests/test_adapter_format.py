@@ -15,7 +15,12 @@ from sparsekv.adapter_format import AdapterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = {  # fingerprints taken from the format-1 folders before the conversion
-    "gemma3-270m-sparsekv": "e419b6e0b0c572000c9862ea44afd8b475760fe5cd48b3b2de89cc0fa5ba2c92",
+    # the head shipped before the tuning seed chose target.signal=both (renamed, same weights)
+    "gemma3-270m-sparsekv-questions": (
+        "e419b6e0b0c572000c9862ea44afd8b475760fe5cd48b3b2de89cc0fa5ba2c92"
+    ),
+    # the shipped head since (configs/train/gemma3-270m-cpu.yaml), trained in format 2
+    "gemma3-270m-sparsekv": "56f3fce47a9170259422c1ac7fe77188530e98419ca34798833d355faab5addd",
     "gemma3-270m-sparsekv-perlayer": (
         "7de70436b1de53a47c5cadf0aa420caec9b835d52ebfafa2a8793de4f930d5d8"
     ),
@@ -430,8 +435,10 @@ def test_eval_cli_refuses_a_head_for_another_model(tmp_path, capsys):
 def test_decode_checkpoint_records_its_target_and_decode_use():
     """The decode-time head (configs/train/gemma3-270m-decode.yaml): trained on the attention
     tokens receive from queries 64+ positions later, with its decode use chosen on seed 1."""
-    adapter = ScorerAdapter.from_pretrained(ROOT / "checkpoints" / "gemma3-270m-sparsekv-decode")
+    folder = ROOT / "checkpoints" / "gemma3-270m-sparsekv-decode"
+    adapter = ScorerAdapter.from_pretrained(folder)
     target = adapter.config.target
     assert (target["min_distance"], target["stat"], target["normalize"]) == (64, "mass", "length")
-    assert adapter.settings("decode") == {**adapter.settings("aware"), "blend": 0.5, "blend_mode": "mix"}
-    assert "use `decode`" in (ROOT / "checkpoints" / "gemma3-270m-sparsekv-decode" / "README.md").read_text()
+    aware = adapter.settings("aware")
+    assert adapter.settings("decode") == {**aware, "blend": 0.5, "blend_mode": "mix"}
+    assert "use `decode`" in (folder / "README.md").read_text()
