@@ -35,9 +35,7 @@ def _inputs(padding: str = "left", seed: int = 1):
     return ids, mask
 
 
-def _reference(
-    model, ids, mask, stat="mass", normalize="none", exclude_self=False, min_distance=0
-):
+def _reference(model, ids, mask, stat="mass", normalize="none", exclude_self=False, min_distance=0):
     """received[l] from the full (batch, heads, seq, seq) eager attention probabilities."""
     out = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
     shape = model_shape(model)
@@ -116,7 +114,7 @@ def test_statistic_variants_match_reference(stat, normalize, exclude_self):
     "stat,normalize,exclude_self,min_distance",
     [
         ("mass", "length", True, 20),
-        ("mass", "length", False, 20),  # min_distance >= 1 drops the self term whatever exclude_self
+        ("mass", "length", False, 20),  # min_distance >= 1 drops the self term anyway
         ("mass", "none", True, 40),  # > the tiny gemma3 window (32): its sliding layers get 0
         ("mass", "uniform", False, 5),
         ("max", "none", True, 20),
@@ -161,8 +159,7 @@ def test_min_distance_length_counts_only_far_queries():
     k = torch.randn(1, 1, n, d)
     for dist in (0, 1, 3):
         got = attention_received(
-            q, k, scaling=1.0, num_kv_groups=1, normalize="length", min_distance=dist,
-            block_size=5,
+            q, k, scaling=1.0, num_kv_groups=1, normalize="length", min_distance=dist, block_size=5
         )
         exp = torch.zeros(n)
         for j in range(n):
@@ -190,10 +187,8 @@ def test_min_distance_in_targets_and_validation():
         with pytest.raises(ValueError, match="min_distance"):
             TargetConfig(min_distance=bad)
     with pytest.raises(ValueError, match="min_distance"):
-        attention_received(
-            torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), scaling=1.0, num_kv_groups=1,
-            min_distance=-3,
-        )
+        zeros = torch.zeros(1, 1, 4, 2)
+        attention_received(zeros, zeros, scaling=1.0, num_kv_groups=1, min_distance=-3)
 
 
 def test_block_size_does_not_change_the_result():
