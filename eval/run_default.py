@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIG = "configs/train/gemma3-270m-cpu.yaml"
 EVAL_CONFIG = "configs/eval/learned-4k.yaml"
 SHIPPED = "checkpoints/gemma3-270m-sparsekv"
+# the head learned-4k.yaml was measured with (shipped before the tuning seed chose signal=both)
+GRID_HEAD = "checkpoints/gemma3-270m-sparsekv-questions"
 # Measured on 2 CPU cores (see the config headers): both trainings side by side ~8 min on an
 # idle machine (19 min when other jobs share the cores); evaluation per sample index of
 # learned-4k.yaml with 2 workers.
@@ -52,9 +54,14 @@ def run(cmds: list[list[str]]) -> None:
 
 
 def eval_config(adapter: str, perlayer: str, samples: int, out: str) -> dict:
-    """learned-4k.yaml with the shipped adapters replaced by `adapter` / `perlayer`."""
+    """learned-4k.yaml with its adapters (the head it was measured with, and the per-layer one)
+    replaced by `adapter` / `perlayer`."""
     cfg = yaml.safe_load((ROOT / EVAL_CONFIG).read_text())
-    swap = {f"learned:{SHIPPED}": f"learned:{adapter}", f"learned:{SHIPPED}-perlayer": f"learned:{perlayer}"}
+    swap = {
+        f"learned:{GRID_HEAD}": f"learned:{adapter}",
+        f"learned:{SHIPPED}": f"learned:{adapter}",
+        f"learned:{SHIPPED}-perlayer": f"learned:{perlayer}",
+    }
     cfg["policies"] = [
         {**p, "policy": swap.get(p["policy"], p["policy"])} if isinstance(p, dict) else swap.get(p, p)
         for p in cfg["policies"]
