@@ -24,7 +24,6 @@ import platform
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -57,45 +56,6 @@ def _decode_specs():
     return [(t, s) for t, s in TASKS.items() if s.kind == decode_tasks.DECODE_KIND]
 
 
-class MethodBuilder:
-    """Builds the cache of one (policy spec, budget) of a grid; adapters are loaded once."""
-
-    def __init__(self, model, cfg: EvalConfig):
-        self.model, self.cfg = model, cfg
-        self._adapters: dict[str, Any] = {}
-
-    def policy(self, spec: PolicySpec):
-        from sparsekv import policies
-
-        if spec.name.startswith("learned:"):
-            path = spec.name.split(":", 1)[1]
-            if path not in self._adapters:
-                from sparsekv.adapter import ScorerAdapter
-
-                self._adapters[path] = ScorerAdapter.from_pretrained(path)
-            return policies.get("learned", adapter=self._adapters[path], **spec.policy_kwargs)
-        return policies.get(spec.name, **spec.policy_kwargs)
-
-    def applied(self, spec: PolicySpec):
-        """The model with `spec`'s adapter LoRA injected for the block (see `plan.uses_lora`)."""
-        from sparsekv.evaluation.plan import uses_lora
-
-        policy = self.policy(spec)
-        if not uses_lora(spec, policy):
-            return nullcontext()
-        from sparsekv.adapter_lora import apply_lora
-
-        return apply_lora(self.model, policy.adapter.lora)
-
-    def cache(self, spec: PolicySpec | None, budget):
-        from sparsekv import EvictionConfig, SparseKVCache
-
-        if spec is None:
-            return SparseKVCache(self.model, EvictionConfig(budget=1.0), "full")
-        config = EvictionConfig(budget=budget, **{**self.cfg.eviction, **spec.eviction})
-        return SparseKVCache(self.model, config, self.policy(spec))
-
-
 def _row(sample: Sample, label: str, spec_text: str, budget) -> dict[str, Any]:
     return {"source": "sparsekv", "sample_id": sample.sample_id, "task": sample.task,
             "length": sample.metadata["target_length"], "n_tokens": sample.metadata["n_tokens"],
@@ -112,8 +72,9 @@ def _settings(policy) -> dict[str, Any]:
 
 
 class RunnerMethods:
-    """The `builder` of `run_sample` over the harness's `Runner` (`sparsekv eval`): its
-    policies (adapters loaded once), per-method eviction settings and LoRA (`Runner.applied`)."""
+    """The `builder` of `run_sample` over the harness's `Runner` (`sparsekv eval` and this
+    module's grid): its policies (adapters loaded once, kvzip given the codec), per-method
+    eviction settings and LoRA (`Runner.applied`)."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -149,7 +110,7 @@ def _ref_path(cfg: EvalConfig, sample: Sample) -> Path:
     return cache_dir() / "decode-refs" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt"
 
 
-def reference(model, codec, cfg: EvalConfig, sample: Sample, builder: MethodBuilder):
+def reference(model, codec, cfg: EvalConfig, sample: Sample, builder: RunnerMethods):
     """(row metrics, trace) of the full cache on `sample`, from the trace cache when another run
     (or process) already computed it; a fresh one is saved there (atomically)."""
     path = _ref_path(cfg, sample)
@@ -170,7 +131,7 @@ def run_sample(model, codec, cfg: EvalConfig, sample: Sample, builder,
                base=None) -> Iterator[dict[str, Any]]:
     """Rows of one sample: the reference (unless its key is in `skip`), then every policy x
     budget whose `(label, str(budget))` is not in `skip` (and whose label is in `only`, when
-    given). `builder` has `cache(spec or None, budget)` (a `MethodBuilder`); `base(label,
+    given). `builder` is a `RunnerMethods` (caches, LoRA); `base(label,
     spec_text, budget, spec)` starts a row (default: this module's fields). A crashing method
     yields a row with `error` set."""
     eos = codec.eos_ids
@@ -185,7 +146,7 @@ def run_sample(model, codec, cfg: EvalConfig, sample: Sample, builder,
             row = base(spec.label, spec.spec, budget, spec) if base else _row(sample, spec.label, spec.spec, budget)
             try:
                 # a learned method whose adapter carries a LoRA runs with it (removed after)
-                with builder.applied(spec) if hasattr(builder, "applied") else nullcontext():
+                with builder.applied(spec):
                     cache = builder.cache(spec, budget)
                     row.update(_settings(cache.policy))
                     metrics, _ = run_decode(model, sample, cache, ref, eos)
@@ -260,9 +221,11 @@ def run_decode_grid(cfg: EvalConfig, model=None, codec=None, progress: bool = Tr
     torch.manual_seed(cfg.seed)
     if model is None:
         model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
-    builder = MethodBuilder(model, cfg)
-    for spec in cfg.policy_specs:
-        builder.policy(spec)  # fail on a bad spec before any work
+    from sparsekv.evaluation.execute import Runner
+
+    runner = Runner(model, codec, cfg)
+    runner.plan()  # builds every policy once: a bad spec fails before any work
+    builder = RunnerMethods(runner)
     env = {"sparsekv": __version__, "torch": str(torch.__version__), "transformers": transformers.__version__,
            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
            "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}

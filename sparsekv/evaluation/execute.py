@@ -143,8 +143,11 @@ class Runner:
             self._hashes[path] = self._adapter(path).fingerprint()
         return self._hashes[path]
 
-    def lora_of(self, spec: PolicySpec):
-        """The LoRA (`LoraWeights`) a method runs with, or None (see `plan.uses_lora`)."""
+    def lora_of(self, spec: PolicySpec | None):
+        """The LoRA (`LoraWeights`) a method runs with, or None (see `plan.uses_lora`; None for
+        the reference, `spec` None)."""
+        if spec is None:
+            return None
         if not hasattr(self, "loras"):
             self.plan()
         return self.loras.get(spec.spec)
@@ -152,7 +155,7 @@ class Runner:
     def applied(self, spec: PolicySpec | None):
         """A context in which the model is the one `spec` runs on: with its adapter's LoRA
         injected (removed on exit), or the plain model."""
-        lora = self.lora_of(spec) if spec is not None else None
+        lora = self.lora_of(spec)
         if lora is None:
             return nullcontext()
         from sparsekv.adapter_lora import apply_lora
@@ -200,8 +203,7 @@ class Runner:
             t0 = time.perf_counter()
             logits = self._forward(ids, rec, 1)
             seconds = time.perf_counter() - t0
-        lora = self.lora_of(spec) if spec is not None else None
-        return _SharedPrefill(rec, logits, seconds, rss.peak, lora)
+        return _SharedPrefill(rec, logits, seconds, rss.peak, self.lora_of(spec))
 
     @torch.no_grad()
     def _execute(
