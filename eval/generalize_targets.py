@@ -1,0 +1,386 @@
+"""The targets of the report grid, judged from its rows: issue 15 (the learned head on unseen
+text and families), issue 17 (against KVzip, with the KVzap-style head beside it) and issue 19
+(the LoRA row), each as the issue words it, with paired bootstrap intervals.
+
+    python eval/generalize_targets.py                            # docs/results/generalize-4k
+    python eval/generalize_targets.py --out docs/results/generalize-4k --budget 0.3
+
+Writes `targets.md` into the folder (atomically) and prints it. Every number is recomputed from
+`results.jsonl`, so rerunning it as the grid grows updates the verdicts; a verdict on a grid
+that has fewer samples than its config asks for says so in its heading.
+
+- Accuracy of a family = mean row `score` (recall for multivalue / vartrack) over its samples.
+- Share of the full cache = sum(method) / sum(full cache) over the same prompts (paired); its
+  95% interval resamples the family's prompts (paired), 2,000 times, fixed seed.
+- Differences between two methods (learned - KVzip) are paired per prompt; the interval of the
+  mean over families resamples prompts within each family.
+- Mean KL over all tasks (ppl included): per task the mean KL over its rows, then the mean over
+  tasks; rows without a KL (aware runs whose first answer token already differs from the full
+  cache's, possible only where the prefill differs, e.g. a LoRA) are counted and shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from sparsekv.evaluation.config import REFERENCE
+from sparsekv.evaluation.tasks import TASKS
+
+RESAMPLES = 2000
+SHARE_FLOOR = 0.30  # issue 15: families the full cache answers at least this often
+SHARE_TARGET = 0.90  # issue 15: agnostic share of the full cache at the target budget
+KVZIP_GAP = 0.10  # issue 17: no family more than 10 points below KVzip
+LEARNED, LORA, KVZIP, KVZAP = "learned", "learned + LoRA", "kvzip", "kvzap"
+AWARE_RIVALS = ("snapkv", "pyramidkv")
+
+
+def read_rows(folder: Path) -> list[dict[str, Any]]:
+    path = folder / "results.jsonl"
+    if not path.exists():
+        raise SystemExit(f"--out {folder}: no results.jsonl there")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Grid:
+    """Rows indexed by (protocol, method, budget, task) -> {sample_id: row}; the full cache's
+    under budget 1.0. Errors are left out (and counted)."""
+
+    def __init__(self, rows: list[dict[str, Any]]):
+        self.cells: dict[tuple, dict[str, dict]] = defaultdict(dict)
+        self.errors = 0
+        hashes: dict[tuple, set] = defaultdict(set)
+        for r in rows:
+            if (r.get("source") or "sparsekv") != "sparsekv":
+                continue
+            if r.get("error"):
+                self.errors += 1
+                continue
+            if r.get("adapter_hash"):
+                hashes[(r["protocol"], r["policy"])].add(r["adapter_hash"])
+            budget = 1.0 if r["policy"] == REFERENCE else float(r["budget"])
+            self.cells[(r["protocol"], r["policy"], budget, r["task"])][r["sample_id"]] = r
+        mixed = sorted(k for k, v in hashes.items() if len(v) > 1)
+        if mixed:
+            raise SystemExit(f"rows of {mixed} ran more than one adapter: split them before judging")
+        self.tasks = [t for t in TASKS if any(k[3] == t for k in self.cells)]
+
+    def answer_tasks(self) -> list[str]:
+        return [t for t in self.tasks if TASKS[t].kind == "answer"]
+
+    def samples(self, protocol: str, task: str) -> int:
+        return len(self.cells.get((protocol, REFERENCE, 1.0, task), {}))
+
+    def paired(self, protocol: str, task: str, a: tuple[str, float], b: tuple[str, float]):
+        """(score of a, score of b) on the prompts both ran."""
+        ca = self.cells.get((protocol, a[0], a[1], task), {})
+        cb = self.cells.get((protocol, b[0], b[1], task), {})
+        return [(float(ca[s]["score"]), float(cb[s]["score"])) for s in sorted(ca.keys() & cb.keys())]
+
+    def full(self, protocol: str, task: str) -> list[float]:
+        return [float(r["score"]) for r in self.cells.get((protocol, REFERENCE, 1.0, task), {}).values()]
+
+    def kl(self, protocol: str, method: str, budget: float, task: str) -> tuple[float, int, int]:
+        """(mean KL over the task's rows with one, rows with one, rows without)."""
+        rows = self.cells.get((protocol, method, budget, task), {}).values()
+        vals = [float(r["kl"]) for r in rows if r.get("kl") is not None and not math.isnan(float(r["kl"]))]
+        return (sum(vals) / len(vals) if vals else float("nan")), len(vals), len(rows) - len(vals)
+
+    def methods(self, protocol: str) -> list[str]:
+        seen: dict[str, None] = {}
+        for k in self.cells:
+            if k[0] == protocol and k[1] != REFERENCE:
+                seen[k[1]] = None
+        return list(seen)
+
+
+def _boot(pairs: list[tuple[float, float]], gen: torch.Generator) -> torch.Tensor:
+    """(RESAMPLES, 2) sums of resampled pairs."""
+    t = torch.tensor(pairs, dtype=torch.float64)
+    idx = torch.randint(len(pairs), (RESAMPLES, len(pairs)), generator=gen)
+    return t[idx].sum(1)
+
+
+def _ci(x: torch.Tensor) -> tuple[float, float]:
+    x = x[torch.isfinite(x)]
+    if not len(x):
+        return float("nan"), float("nan")
+    lo, hi = torch.quantile(x, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
+def share(pairs: list[tuple[float, float]], seed: int = 0) -> tuple[float, float, float]:
+    """sum(method) / sum(full) with its paired 95% bootstrap interval."""
+    if not pairs:
+        return float("nan"), float("nan"), float("nan")
+    full = sum(p[1] for p in pairs)
+    point = sum(p[0] for p in pairs) / full if full > 0 else float("nan")
+    s = _boot(pairs, torch.Generator().manual_seed(seed))
+    return (point, *_ci(s[:, 0] / s[:, 1])) if len(pairs) > 1 else (point, float("nan"), float("nan"))
+
+
+def mean_difference(
+    by_family: list[list[tuple[float, float]]], seed: int = 0
+) -> tuple[float, float, float]:
+    """Mean over families of (mean a - mean b), paired; interval resamples within families."""
+    fams = [p for p in by_family if p]
+    if not fams:
+        return float("nan"), float("nan"), float("nan")
+    point = sum(sum(a - b for a, b in p) / len(p) for p in fams) / len(fams)
+    gen = torch.Generator().manual_seed(seed)
+    diffs = []
+    for p in fams:
+        sums = _boot(p, gen)
+        diffs.append((sums[:, 0] - sums[:, 1]) / len(p))
+    diffs = torch.stack(diffs)
+    return (point, *_ci(diffs.mean(0)))
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:.0f}%"
+
+
+def _pts(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:+.0f}"
+
+
+def _iv(lo: float, hi: float, fmt=_pct) -> str:
+    return "" if math.isnan(lo) else f" ({fmt(lo)} to {fmt(hi)})"
+
+
+def _acc(pairs: list[tuple[float, float]], i: int) -> float:
+    return sum(p[i] for p in pairs) / len(pairs) if pairs else float("nan")
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("**met**" if ok else "**missed**")
+
+
+def judge(grid: Grid, budget: float) -> tuple[list[str], dict[str, Any]]:
+    """The markdown lines and a dict of verdicts (for tests and notes)."""
+    out: list[str] = []
+    verdicts: dict[str, Any] = {}
+    fams = grid.answer_tasks()
+    n_by = {t: grid.samples("agnostic", t) for t in grid.tasks}
+    out.append(f"Samples per task (agnostic full cache): {', '.join(f'{t} {n}' for t, n in n_by.items())}; "
+               f"rows with an error left out: {grid.errors}.")
+    out.append("")
+
+    # ---------------------------------------------------------------- the full cache per family
+    out.append("## What the full cache answers (agnostic / aware prompts)")
+    out.append("")
+    out.append("| family | full cache agnostic | full cache aware | samples |")
+    out.append("|---|---|---|---|")
+    for t in fams:
+        fa, fw = grid.full("agnostic", t), grid.full("aware", t)
+        out.append(f"| {t} | {_pct(sum(fa) / len(fa) if fa else float('nan'))} | "
+                   f"{_pct(sum(fw) / len(fw) if fw else float('nan'))} | {len(fa)} |")
+    out.append("")
+
+    # ---------------------------------------------------------------- issue 15 (a): agnostic share
+    out.append(f"## Issue 15: agnostic at budget {budget}, share of the full cache per family")
+    out.append("")
+    out.append(f"Target: the learned head keeps at least {SHARE_TARGET:.0%} of the full cache's accuracy "
+               f"(point estimate) on every family the full cache answers at least {SHARE_FLOOR:.0%} of "
+               "the time. Intervals: paired bootstrap over the family's prompts.")
+    out.append("")
+    cols = [LEARNED, LORA, KVZIP, KVZAP, "expected_attention", "tova", "snapkv"]
+    cols = [c for c in cols if c in grid.methods("agnostic")]
+    out.append("| family | full | " + " | ".join(cols) + " | counts for the target |")
+    out.append("|---|---|" + "---|" * len(cols) + "---|")
+    ok15a, eligible = [], []
+    for t in fams:
+        fa = grid.full("agnostic", t)
+        acc = sum(fa) / len(fa) if fa else float("nan")
+        counts = bool(fa) and acc >= SHARE_FLOOR
+        cells = []
+        for c in cols:
+            p, lo, hi = share(grid.paired("agnostic", t, (c, budget), (REFERENCE, 1.0)))
+            cells.append(_pct(p) + _iv(lo, hi))
+            if c == LEARNED and counts:
+                eligible.append(t)
+                ok15a.append((t, p))
+        out.append(f"| {t} | {_pct(acc)} | " + " | ".join(cells) + f" | {'yes' if counts else 'no'} |")
+    missed = [(t, p) for t, p in ok15a if not (p >= SHARE_TARGET)]
+    verdicts["15_share"] = None if not ok15a else not missed
+    verdicts["15_share_missed"] = missed
+    out.append("")
+    out.append(f"Verdict: {_verdict(verdicts['15_share'])}"
+               + (f"; below {SHARE_TARGET:.0%} on " + ", ".join(f"{t} ({_pct(p)})" for t, p in missed)
+                  if missed else "")
+               + f" (families counted: {', '.join(eligible) or 'none'}).")
+    out.append("")
+
+    # ---------------------------------------------------------------- issue 15 (b): lowest mean KL
+    out.append("## Issue 15: lowest mean KL over all tasks, ppl included (agnostic)")
+    out.append("")
+    kl_rows = []
+    budgets = sorted({k[2] for k in grid.cells if k[0] == "agnostic" and k[1] != REFERENCE})
+    for m in grid.methods("agnostic"):
+        per_b = []
+        for b in budgets:
+            vals = [grid.kl("agnostic", m, b, t) for t in grid.tasks]
+            good = [v[0] for v in vals if not math.isnan(v[0])]
+            missing = sum(v[2] for v in vals)
+            per_b.append((sum(good) / len(good) if len(good) == len(grid.tasks) else float("nan"), missing))
+        kl_rows.append((m, per_b))
+    out.append("| method | " + " | ".join(f"mean KL @ {b}" for b in budgets) + " |")
+    out.append("|---|" + "---|" * len(budgets) + "")
+    at = budgets.index(budget) if budget in budgets else None
+    for m, per_b in sorted(kl_rows, key=lambda x: (x[1][at][0] if at is not None else 0)):
+        cells = [("-" if math.isnan(v) else f"{v:.3g}") + (f" ({k} rows without KL)" if k else "")
+                 for v, k in per_b]
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    if at is not None:
+        ranked = sorted((per_b[at][0], m) for m, per_b in kl_rows if not math.isnan(per_b[at][0]))
+        verdicts["15_kl"] = bool(ranked) and ranked[0][1] == LEARNED
+        verdicts["15_kl_best"] = ranked[0] if ranked else None
+        out.append("")
+        out.append(f"Verdict at {budget}: {_verdict(verdicts['15_kl'])}; lowest: "
+                   + (f"{ranked[0][1]} ({ranked[0][0]:.3g})" if ranked else "none") + ".")
+    out.append("")
+
+    # ---------------------------------------------------------------- issue 15 (c): aware
+    out.append("## Issue 15: aware, the learned head against the best of SnapKV and PyramidKV per family")
+    out.append("")
+    out.append("Accuracy per family; the difference is learned minus the better rival on the same prompts "
+               "(paired, in points, with its interval).")
+    out.append("")
+    aware_budgets = sorted({k[2] for k in grid.cells if k[0] == "aware" and k[1] == LEARNED})
+    ok15c: dict[float, list] = {}
+    out.append("| family | budget | full | learned | snapkv | pyramidkv | learned - best rival |")
+    out.append("|---|---|---|---|---|---|---|")
+    for b in aware_budgets:
+        ok15c[b] = []
+        for t in fams:
+            accs = {}
+            for m in (LEARNED, *AWARE_RIVALS):
+                rs = grid.cells.get(("aware", m, b, t), {})
+                accs[m] = sum(float(r["score"]) for r in rs.values()) / len(rs) if rs else float("nan")
+            fw = grid.full("aware", t)
+            rivals = [m for m in AWARE_RIVALS if not math.isnan(accs[m])]
+            if math.isnan(accs[LEARNED]) or not rivals:
+                continue
+            best = max(rivals, key=lambda m: accs[m])
+            d, lo, hi = mean_difference([grid.paired("aware", t, (LEARNED, b), (best, b))])
+            ok15c[b].append((t, accs[LEARNED] >= accs[best], d))
+            out.append(f"| {t} | {b} | {_pct(sum(fw) / len(fw) if fw else float('nan'))} | "
+                       f"{_pct(accs[LEARNED])} | {_pct(accs['snapkv'])} | {_pct(accs['pyramidkv'])} | "
+                       f"{_pts(d)}{_iv(lo, hi, _pts)} ({best}) |")
+    out.append("")
+    for b, res in ok15c.items():
+        below = [(t, d) for t, ok, d in res if not ok]
+        verdicts[f"15_aware_{b}"] = None if not res else not below
+        out.append(f"Verdict at {b}: {_verdict(verdicts[f'15_aware_{b}'])}"
+                   + ("; below on " + ", ".join(f"{t} ({_pts(d)} points)" for t, d in below) if below else "")
+                   + ".")
+    out.append("")
+
+    # ---------------------------------------------------------------- issue 17: against KVzip
+    out.append(f"## Issue 17: agnostic at budget {budget}, the learned head against KVzip")
+    out.append("")
+    out.append("Target: accuracy averaged over the task families at least KVzip's (paired, interval "
+               f"shown) and no family more than {KVZIP_GAP * 100:.0f} points below KVzip's; the "
+               "KVzap-style head measured beside it. Differences in points, learned (or KVzap-style) "
+               "minus KVzip, on the same prompts.")
+    out.append("")
+    out.append("| family | learned | kvzip | kvzap-style | learned - kvzip | kvzap-style - kvzip |")
+    out.append("|---|---|---|---|---|---|")
+    fam_pairs: dict[str, list] = {LEARNED: [], KVZAP: []}
+    worst = []
+    for t in fams:
+        pl = grid.paired("agnostic", t, (LEARNED, budget), (KVZIP, budget))
+        pz = grid.paired("agnostic", t, (KVZAP, budget), (KVZIP, budget))
+        if not pl:
+            continue
+        fam_pairs[LEARNED].append(pl)
+        fam_pairs[KVZAP].append(pz)
+        dl, lol, hil = mean_difference([pl])
+        dz, loz, hiz = mean_difference([pz]) if pz else (float("nan"),) * 3
+        worst.append((t, dl))
+        out.append(f"| {t} | {_pct(_acc(pl, 0))} | {_pct(_acc(pl, 1))} | {_pct(_acc(pz, 0))} | "
+                   f"{_pts(dl)}{_iv(lol, hil, _pts)} | {_pts(dz)}{_iv(loz, hiz, _pts)} |")
+    dm, lom, him = mean_difference(fam_pairs[LEARNED])
+    dz, loz, hiz = mean_difference(fam_pairs[KVZAP])
+    out.append(f"| **mean over families** | | | | {_pts(dm)}{_iv(lom, him, _pts)} | {_pts(dz)}{_iv(loz, hiz, _pts)} |")
+    far = [(t, d) for t, d in worst if d < -KVZIP_GAP]
+    verdicts["17_mean"] = None if math.isnan(dm) else dm >= 0
+    verdicts["17_no_family_far_below"] = None if not worst else not far
+    out.append("")
+    out.append(f"Verdict: mean over families {_verdict(verdicts['17_mean'])} ({_pts(dm)} points"
+               f"{_iv(lom, him, _pts)}); no family more than {KVZIP_GAP * 100:.0f} points below: "
+               f"{_verdict(verdicts['17_no_family_far_below'])}"
+               + (" (" + ", ".join(f"{t} {_pts(d)}" for t, d in far) + ")" if far else "") + ". "
+               "Prefill cost (live prefills, not the grid's shared forks): README, \"The peers' prefill cost\".")
+    out.append("")
+
+    # ---------------------------------------------------------------- issue 19: the LoRA row
+    out.append(f"## Issue 19: learned + LoRA against the learned head alone, budget {budget}")
+    out.append("")
+    out.append("| protocol | family | learned | learned + LoRA | LoRA - learned |")
+    out.append("|---|---|---|---|---|")
+    for protocol in ("agnostic", "aware"):
+        by = []
+        for t in fams:
+            p = grid.paired(protocol, t, (LORA, budget), (LEARNED, budget))
+            if not p:
+                continue
+            by.append(p)
+            d, lo, hi = mean_difference([p])
+            out.append(f"| {protocol} | {t} | {_pct(sum(x[1] for x in p) / len(p))} | "
+                       f"{_pct(sum(x[0] for x in p) / len(p))} | {_pts(d)}{_iv(lo, hi, _pts)} |")
+        d, lo, hi = mean_difference(by)
+        verdicts[f"19_{protocol}"] = d
+        out.append(f"| {protocol} | **mean over families** | | | {_pts(d)}{_iv(lo, hi, _pts)} |")
+    out.append("")
+    return out, verdicts
+
+
+def write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="docs/results/generalize-4k", help="the grid's results folder")
+    p.add_argument("--budget", type=float, default=0.3, help="the targets' budget (issues: 0.3)")
+    args = p.parse_args(argv)
+    folder = Path(args.out)
+    grid = Grid(read_rows(folder))
+    if args.budget not in {k[2] for k in grid.cells}:
+        raise SystemExit(f"--budget {args.budget}: no rows at that budget in {folder}")
+    lines, _ = judge(grid, args.budget)
+    cfg_path = folder / "config.yaml"
+    cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else {}
+    asked, cfg_seed = cfg.get("samples"), cfg.get("seed")
+    have = min((grid.samples("agnostic", t) for t in grid.tasks), default=0)
+    head = [
+        f"# Targets of the report grid ({folder.as_posix()})",
+        "",
+        (f"`python eval/generalize_targets.py --out {folder.as_posix()} --budget {args.budget}`; "
+         f"seed {cfg_seed}; default model (the Q4_K_M GGUF of gemma-3-270m, dequantized)."),
+        "",
+    ]
+    if asked and have < asked:
+        head += [(f"**Provisional: {have} of {asked} samples per task so far** (the grid is still "
+                  "running; verdicts on the finished grid are the ones that count)."), ""]
+    text = "\n".join(head + lines) + "\n"
+    write_atomic(folder / "targets.md", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

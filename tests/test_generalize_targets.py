@@ -1,0 +1,87 @@
+"""eval/generalize_targets.py: the report grid's verdicts follow the rows (each can flip)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("generalize_targets", ROOT / "eval" / "generalize_targets.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+T = _module()
+
+
+def _row(task, protocol, policy, budget, i, score, kl=0.1, **kw):
+    return {"source": "sparsekv", "sample_id": f"{task}-{i}", "task": task, "length": 4096,
+            "protocol": protocol, "policy": policy, "budget": budget, "score": score, "kl": kl,
+            "error": None, **kw}
+
+
+def _grid(learned_qa: float, kvzip_qa: float, aware_learned_qa: float, kl_learned: float = 0.1):
+    rows = []
+    for i in range(4):
+        for protocol in ("agnostic", "aware"):
+            for task in ("passkey", "qa"):
+                rows.append(_row(task, protocol, "full", 1.0, i, 1.0, kl=0.0))
+                rows.append(_row(task, protocol, "snapkv", 0.3, i, 1.0 if protocol == "aware" else 0.0, kl=0.5))
+                rows.append(_row(task, protocol, "pyramidkv", 0.3, i, 0.5, kl=0.5))
+            rows.append(_row("passkey", protocol, "kvzip", 0.3, i, 1.0, kl=0.4))
+            rows.append(_row("qa", protocol, "kvzip", 0.3, i, kvzip_qa, kl=0.4))
+            rows.append(_row("passkey", protocol, "learned", 0.3, i, 1.0, kl=kl_learned))
+            qa = learned_qa if protocol == "agnostic" else aware_learned_qa
+            rows.append(_row("qa", protocol, "learned", 0.3, i, qa if i < 2 else 1.0, kl=kl_learned))
+            rows.append(_row("ppl", protocol, "full", 1.0, i, 0.5, kl=0.0))
+            for m in ("snapkv", "pyramidkv", "kvzip", "learned"):
+                rows.append(_row("ppl", protocol, m, 0.3, i, 0.5, kl=0.3))
+    return T.Grid(rows)
+
+
+def test_all_targets_met():
+    _, v = T.judge(_grid(learned_qa=1.0, kvzip_qa=1.0, aware_learned_qa=1.0), 0.3)
+    assert v["15_share"] is True and v["15_kl"] is True and v["15_aware_0.3"] is True
+    assert v["17_mean"] is True and v["17_no_family_far_below"] is True
+
+
+def test_share_miss_and_kvzip_gap():
+    # learned answers qa on 2 of 4 prompts (share 50%), KVzip on all four: 50 points below
+    lines, v = T.judge(_grid(learned_qa=0.0, kvzip_qa=1.0, aware_learned_qa=1.0), 0.3)
+    assert v["15_share"] is False and v["15_share_missed"] == [("qa", 0.5)]
+    assert v["17_no_family_far_below"] is False
+    assert v["17_mean"] is False  # passkey +0, qa -50: mean -25
+    assert any("qa (50%)" in line for line in lines)
+
+
+def test_aware_and_kl_misses():
+    _, v = T.judge(_grid(learned_qa=1.0, kvzip_qa=0.0, aware_learned_qa=0.0, kl_learned=0.9), 0.3)
+    assert v["15_aware_0.3"] is False  # SnapKV answers every aware qa prompt
+    assert v["15_kl"] is False and v["15_kl_best"][1] == "kvzip"
+    assert v["17_mean"] is True
+
+
+def test_mixed_adapters_refused():
+    rows = [_row("qa", "agnostic", "learned", 0.3, 0, 1.0, adapter_hash="a"),
+            _row("qa", "agnostic", "learned", 0.3, 1, 1.0, adapter_hash="b")]
+    with pytest.raises(SystemExit, match="more than one adapter"):
+        T.Grid(rows)
+
+
+def test_main_writes_targets(tmp_path):
+    g = _grid(1.0, 1.0, 1.0)
+    rows = [r for cell in g.cells.values() for r in cell.values()]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text("samples: 30\nseed: 7\n")
+    assert T.main(["--out", str(tmp_path)]) == 0
+    text = (tmp_path / "targets.md").read_text()
+    assert "Provisional: 4 of 30 samples" in text and "seed 7" in text
+    with pytest.raises(SystemExit, match="--budget 0.5"):
+        T.main(["--out", str(tmp_path), "--budget", "0.5"])
