@@ -195,3 +195,22 @@ def test_sparsekv_eval_runs_decode_samples(tmp_path):
     assert rows[1]["rerank_every"] == 8 and rows[1]["kl_mean"] > 0 and len(rows[1]["windows"]) == 2
     assert rows[0]["kl_mean"] == 0.0 and rows[1]["new_tokens"] == 4
     assert (tmp_path / "e" / "decode-summary.md").exists()
+
+
+def test_grid_rows_of_a_learned_method_carry_its_adapter_hash(codec, tmp_path):
+    """The decode grid's rows come from the harness's row builder: a learned method's rows
+    record its adapter's fingerprint, the heuristics' rows none."""
+    from sparsekv.adapter import ScorerAdapter
+
+    model = tiny_model("gemma3")
+    adapter = ScorerAdapter.for_model(model)
+    folder = adapter.save_pretrained(tmp_path / "head")
+    cfg = EvalConfig(out=str(tmp_path / "g"), model="tiny:gemma3", tasks=["decode_prose"], lengths=[200],
+                     policies=[f"learned:{folder}@rerank_every=8@label=learned-r8", "h2o@label=h2o-r16"],
+                     budgets=[48], samples=1, protocols=["agnostic"],
+                     task_options={"decode_prose": {"prompt_tokens": 40, "gen_tokens": 2}})
+    run_decode_grid(cfg, model, codec, progress=False, report=False)
+    rows = {r["policy"]: r for r in read_rows(tmp_path / "g" / "results.jsonl")}
+    assert rows["learned-r8"]["adapter_hash"] == ScorerAdapter.from_pretrained(folder).fingerprint()
+    assert rows["h2o-r16"]["adapter_hash"] is None and rows["full"]["adapter_hash"] is None
+    assert rows["learned-r8"]["error"] is None

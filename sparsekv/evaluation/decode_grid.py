@@ -56,13 +56,6 @@ def _decode_specs():
     return [(t, s) for t, s in TASKS.items() if s.kind == decode_tasks.DECODE_KIND]
 
 
-def _row(sample: Sample, label: str, spec_text: str, budget) -> dict[str, Any]:
-    return {"source": "sparsekv", "sample_id": sample.sample_id, "task": sample.task,
-            "length": sample.metadata["target_length"], "n_tokens": sample.metadata["n_tokens"],
-            "protocol": "agnostic", "policy": label, "policy_spec": spec_text, "budget": budget,
-            "answer": sample.answer, "error": None}
-
-
 def _settings(policy) -> dict[str, Any]:
     """The learned policy's scoring settings, recorded on its rows."""
     if not hasattr(policy, "blend"):
@@ -82,6 +75,10 @@ class RunnerMethods:
     def applied(self, spec: PolicySpec):
         return self.runner.applied(spec)
 
+    def row(self, sample: Sample, label: str, spec_text: str, budget, spec: PolicySpec | None) -> dict[str, Any]:
+        """A row's harness fields (learned methods' rows carry their adapter's `adapter_hash`)."""
+        return self.runner._row(sample, "agnostic", label, spec_text, budget, spec)
+
     def cache(self, spec: PolicySpec | None, budget):
         from sparsekv import EvictionConfig, SparseKVCache
 
@@ -94,11 +91,7 @@ class RunnerMethods:
 def decode_rows(runner, sample: Sample, skip=frozenset()) -> Iterator[dict[str, Any]]:
     """The rows of one decode sample for `sparsekv eval` (`execute.Runner.run_group` hands its
     decode samples here): the harness's row fields, then this module's metrics."""
-    def base(label, spec_text, budget, spec):
-        return runner._row(sample, "agnostic", label, spec_text, budget, spec)
-
-    yield from run_sample(runner.model, runner.codec, runner.cfg, sample, RunnerMethods(runner), set(skip),
-                          None, base)
+    yield from run_sample(runner.model, runner.codec, runner.cfg, sample, RunnerMethods(runner), set(skip))
 
 
 def _ref_path(cfg: EvalConfig, sample: Sample) -> Path:
@@ -128,22 +121,21 @@ def reference(model, codec, cfg: EvalConfig, sample: Sample, builder: RunnerMeth
 
 def run_sample(model, codec, cfg: EvalConfig, sample: Sample, builder,
                skip: set[tuple[str, str]] = frozenset(), only: set[str] | None = None,
-               base=None) -> Iterator[dict[str, Any]]:
+               ) -> Iterator[dict[str, Any]]:
     """Rows of one sample: the reference (unless its key is in `skip`), then every policy x
     budget whose `(label, str(budget))` is not in `skip` (and whose label is in `only`, when
-    given). `builder` is a `RunnerMethods` (caches, LoRA); `base(label,
-    spec_text, budget, spec)` starts a row (default: this module's fields). A crashing method
-    yields a row with `error` set."""
+    given). `builder` is a `RunnerMethods` (caches, LoRA, the harness's row fields). A crashing
+    method yields a row with `error` set."""
     eos = codec.eos_ids
     ref_row, ref = reference(model, codec, cfg, sample, builder)
     if (REFERENCE, "1.0") not in skip:
-        start = base(REFERENCE, REFERENCE, 1.0, None) if base else _row(sample, REFERENCE, REFERENCE, 1.0)
+        start = builder.row(sample, REFERENCE, REFERENCE, 1.0, None)
         yield {**start, **ref_row}
     for spec in cfg.policy_specs:
         for budget in cfg.budgets_of(spec, "agnostic"):
             if (spec.label, str(budget)) in skip or (only is not None and spec.label not in only):
                 continue
-            row = base(spec.label, spec.spec, budget, spec) if base else _row(sample, spec.label, spec.spec, budget)
+            row = builder.row(sample, spec.label, spec.spec, budget, spec)
             try:
                 # a learned method whose adapter carries a LoRA runs with it (removed after)
                 with builder.applied(spec):
