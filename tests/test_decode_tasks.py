@@ -214,3 +214,29 @@ def test_grid_rows_of_a_learned_method_carry_its_adapter_hash(codec, tmp_path):
     assert rows["learned-r8"]["adapter_hash"] == ScorerAdapter.from_pretrained(folder).fingerprint()
     assert rows["h2o-r16"]["adapter_hash"] is None and rows["full"]["adapter_hash"] is None
     assert rows["learned-r8"]["error"] is None
+
+
+def test_rerank_study_pairs_each_interval_with_never(tmp_path):
+    """The re-rank study groups labels that differ only in `-r<R>`, pairs each R with R=0 on the
+    same samples, and leaves out a policy run at one R only."""
+    from sparsekv.evaluation.decode_report import rerank_markdown, rerank_study, write_decode_report
+
+    def row(label, r, sample, kl):
+        return {"policy": label, "rerank_every": r, "sample_id": sample, "task": "decode_prose",
+                "budget": 256, "kl_mean": kl, "rerank_pct": 0.1 * bool(r), "error": None}
+
+    rows = [row("learned-r0", 0, "a", 0.10), row("learned-r0", 0, "b", 0.20),
+            row("learned-r16", 16, "a", 0.05), row("learned-r16", 16, "b", 0.26),
+            row("h2o-r16", 16, "a", 0.07)]
+    study = rerank_study(rows)
+    cell = study[("decode_prose", "256")]
+    assert set(cell) == {"learned"}
+    assert cell["learned"][16]["lower"] == (1, 2)
+    assert cell["learned"][16]["vs_never"] == pytest.approx(((0.05 / 0.10 - 1) + (0.26 / 0.20 - 1)) / 2)
+    assert "0.1550 (-10%, 1/2 lower)" in "\n".join(rerank_markdown(study))
+    ref = {"policy": "full", "rerank_every": 16, "sample_id": "a", "task": "decode_prose", "budget": 1.0,
+           "kl_mean": 0.0, "error": None}
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [ref, *rows]))
+    write_decode_report(tmp_path)
+    assert "Re-rank study: decode_prose, budget 256" in (tmp_path / "decode-summary.md").read_text()
+    assert (tmp_path / "rerank-decode_prose.png").exists()

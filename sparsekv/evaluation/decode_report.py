@@ -6,7 +6,11 @@
   MiB held at the end;
 - the mean KL per 256-token window of the continuation, per method;
 - `kl-position-<task>-<budget>.png`: KL against position, one line per method (64-position means
-  averaged over samples); `kv-position-<budget>.png`: KV MiB against position per method.
+  averaged over samples); `kv-position-<budget>.png`: KV MiB against position per method;
+- the re-rank study, where a policy ran at several `rerank_every` (its labels differing only in a
+  `-r<R>` suffix): per task and budget, its mean KL at each R (0 = never re-ranked), the change
+  at each R against never re-ranking, paired per sample, and the re-rank's share of the decode
+  time; `rerank-<task>.png` draws KL against R per policy, one panel per budget.
 
 Reads only `results.jsonl`; knows nothing about models.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -121,6 +126,98 @@ def markdown(summary: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+_R_SUFFIX = re.compile(r"-r\d+$")
+
+
+def rerank_study(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]]]:
+    """(task, budget) -> policy (label without `-r<R>`) -> R -> {kl, n, rerank_pct, vs_never,
+    lower}: mean KL, samples, re-rank % of decode time, the mean paired relative change of KL
+    against R=0 on the same samples and on how many of them it is lower. Only policies that ran at
+    two or more R are kept."""
+    cells: dict[tuple, dict[str, dict[int, list[dict]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in rows:
+        if r.get("error") or r["policy"] == REFERENCE or r.get("rerank_every") is None:
+            continue
+        base = _R_SUFFIX.sub("", r["policy"])
+        cells[(r["task"], str(r["budget"]))][base][int(r["rerank_every"])].append(r)
+    out: dict[tuple, dict] = {}
+    for key in sorted(cells):
+        for base, by_r in cells[key].items():
+            if len(by_r) < 2:
+                continue
+            never = {r["sample_id"]: r.get("kl_mean") for r in by_r.get(0, [])}
+            stats = {}
+            for rr in sorted(by_r):
+                rs = by_r[rr]
+                pairs = [(r["kl_mean"], never[r["sample_id"]]) for r in rs
+                         if rr and never.get(r["sample_id"]) and r.get("kl_mean") is not None]
+                stats[rr] = {"kl": _mean(r.get("kl_mean") for r in rs), "n": len(rs),
+                             "rerank_pct": _mean(r.get("rerank_pct") for r in rs),
+                             "vs_never": _mean(a / b - 1 for a, b in pairs) if pairs else float("nan"),
+                             "lower": (sum(1 for a, b in pairs if a < b), len(pairs))}
+            out.setdefault(key, {})[base] = stats
+    return out
+
+
+def rerank_markdown(study: dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]]]) -> list[str]:
+    lines: list[str] = []
+    for (task, budget), by_base in study.items():
+        rs = sorted({rr for stats in by_base.values() for rr in stats})
+        lines += [f"## Re-rank study: {task}, budget {budget} tokens", "",
+                  ("Mean KL(full || method) at each re-rank interval R (never = 0); in brackets the "
+                   "mean change against never re-ranking on the same samples and on how many samples "
+                   "it is lower; then the re-rank's share of decode time at each R."), ""]
+        head = "| policy | " + " | ".join("never" if rr == 0 else f"R={rr}" for rr in rs)
+        head += " | " + " | ".join(f"re-rank % @ R={rr}" for rr in rs if rr) + " | n |"
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for base, stats in by_base.items():
+            cells = []
+            for rr in rs:
+                c = stats.get(rr)
+                if c is None:
+                    cells.append("-")
+                    continue
+                txt = _fmt(c["kl"])
+                if rr and not math.isnan(c["vs_never"]):
+                    lo, n = c["lower"]
+                    txt += f" ({100 * c['vs_never']:+.0f}%, {lo}/{n} lower)"
+                cells.append(txt)
+            pct = [_fmt(stats[rr]["rerank_pct"], 2) if rr in stats else "-" for rr in rs if rr]
+            n = min(c["n"] for c in stats.values())
+            lines.append(f"| {base} | " + " | ".join(cells) + " | " + " | ".join(pct) + f" | {n} |")
+        lines.append("")
+    return lines
+
+
+def plot_rerank(study: dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]]], out: Path) -> list[Path]:
+    """`rerank-<task>.png`: mean KL against R per policy, one panel per budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for task in sorted({t for t, _ in study}):
+        budgets = [b for t, b in study if t == task]
+        fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.6), squeeze=False)
+        for ax, budget in zip(axes[0], budgets):
+            by_base = study[(task, budget)]
+            rs = sorted({rr for stats in by_base.values() for rr in stats})
+            for base, stats in by_base.items():
+                xs = [i for i, rr in enumerate(rs) if rr in stats]
+                ax.plot(xs, [stats[rs[i]]["kl"] for i in xs], marker="o", lw=1.2, label=base)
+            ax.set_xticks(range(len(rs)), ["never" if rr == 0 else str(rr) for rr in rs])
+            ax.set(xlabel="re-rank every R steps", ylabel="mean KL(full || method), nats",
+                   title=f"{task}, budget {budget} tokens")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"rerank-{task}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
 def plot(summary: dict[tuple[str, str], list[dict[str, Any]]], out: Path, curve_step: int = 64) -> list[Path]:
     """KL against position per (task, budget), KV MiB against position per budget."""
     import matplotlib
@@ -166,11 +263,15 @@ def write_decode_report(out: str | Path) -> Path:
     """Write `decode-summary.md` and the plots of the decode rows in `out` (other tasks' rows are
     left to `report.py`); returns the summary's path."""
     out = Path(out)
-    summary = summarize([r for r in _rows(out) if str(r.get("task", "")).startswith("decode_")])
+    rows = [r for r in _rows(out) if str(r.get("task", "")).startswith("decode_")]
+    summary = summarize(rows)
+    study = rerank_study(rows)
     path = out / "decode-summary.md"
     tmp = out / ".decode-summary.md.tmp"
-    tmp.write_text(markdown(summary))
+    tmp.write_text(markdown(summary) + ("\n" + "\n".join(rerank_markdown(study)) if study else ""))
     tmp.replace(path)
     if summary:
         plot(summary, out)
+    if study:
+        plot_rerank(study, out)
     return path
