@@ -236,7 +236,9 @@ def test_rerank_study_pairs_each_interval_with_never(tmp_path):
     assert "0.1550 (-10%, 1/2 lower)" in "\n".join(rerank_markdown(study))
     ref = {"policy": "full", "rerank_every": 16, "sample_id": "a", "task": "decode_prose", "budget": 1.0,
            "kl_mean": 0.0, "error": None}
-    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [ref, *rows]))
+    # two processes that shared the grid each wrote the full cache's row of sample a: one counts
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [ref, ref, *rows]))
     write_decode_report(tmp_path)
-    assert "Re-rank study: decode_prose, budget 256" in (tmp_path / "decode-summary.md").read_text()
+    text = (tmp_path / "decode-summary.md").read_text()
+    assert "Re-rank study: decode_prose, budget 256" in text and "| full | - | 1 |" in text
     assert (tmp_path / "rerank-decode_prose.png").exists()

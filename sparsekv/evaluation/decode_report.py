@@ -39,8 +39,20 @@ def _fmt(x, digits: int = 4) -> str:
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
+    """The folder's rows, one per (sample, method, budget): processes that share a grid (each
+    with its own `--only`) each write the full cache's row of a sample they start together; the
+    first is kept."""
     path = out / "results.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, seen = [], set()
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        key = (r.get("sample_id"), r.get("policy"), str(r.get("budget")), bool(r.get("error")))
+        if key not in seen:
+            seen.add(key)
+            rows.append(r)
+    return rows
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
