@@ -232,8 +232,8 @@ def test_rerank_study_pairs_each_interval_with_never(tmp_path):
     cell = study[("decode_prose", "256")]
     assert set(cell) == {"learned"}
     assert cell["learned"][16]["lower"] == (1, 2)
-    assert cell["learned"][16]["vs_never"] == pytest.approx(((0.05 / 0.10 - 1) + (0.26 / 0.20 - 1)) / 2)
-    assert "0.1550 (-10%, 1/2 lower)" in "\n".join(rerank_markdown(study))
+    assert cell["learned"][16]["vs_never"] == pytest.approx((0.05 + 0.26) / (0.10 + 0.20) - 1)
+    assert "0.1550 (+3%, 1/2 lower)" in "\n".join(rerank_markdown(study))
     ref = {"policy": "full", "rerank_every": 16, "sample_id": "a", "task": "decode_prose", "budget": 1.0,
            "kl_mean": 0.0, "error": None}
     # two processes that shared the grid each wrote the full cache's row of sample a: one counts

@@ -143,8 +143,9 @@ _R_SUFFIX = re.compile(r"-r\d+$")
 
 def rerank_study(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]]]:
     """(task, budget) -> policy (label without `-r<R>`) -> R -> {kl, n, rerank_pct, vs_never,
-    lower}: mean KL, samples, re-rank % of decode time, the mean paired relative change of KL
-    against R=0 on the same samples and on how many of them it is lower. Only policies that ran at
+    lower}: mean KL, samples, re-rank % of decode time, the relative change of KL against R=0
+    on the same samples (their summed KL at R over their summed KL at R=0, minus 1) and on how
+    many of them it is lower. Only policies that ran at
     two or more R are kept."""
     cells: dict[tuple, dict[str, dict[int, list[dict]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for r in rows:
@@ -165,7 +166,8 @@ def rerank_study(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, 
                          if rr and never.get(r["sample_id"]) and r.get("kl_mean") is not None]
                 stats[rr] = {"kl": _mean(r.get("kl_mean") for r in rs), "n": len(rs),
                              "rerank_pct": _mean(r.get("rerank_pct") for r in rs),
-                             "vs_never": _mean(a / b - 1 for a, b in pairs) if pairs else float("nan"),
+                             "vs_never": (sum(a for a, _ in pairs) / sum(b for _, b in pairs) - 1
+                                          if pairs else float("nan")),
                              "lower": (sum(1 for a, b in pairs if a < b), len(pairs))}
             out.setdefault(key, {})[base] = stats
     return out
@@ -177,8 +179,8 @@ def rerank_markdown(study: dict[tuple[str, str], dict[str, dict[int, dict[str, A
         rs = sorted({rr for stats in by_base.values() for rr in stats})
         lines += [f"## Re-rank study: {task}, budget {budget} tokens", "",
                   ("Mean KL(full || method) at each re-rank interval R (never = 0); in brackets the "
-                   "mean change against never re-ranking on the same samples and on how many samples "
-                   "it is lower; then the re-rank's share of decode time at each R."), ""]
+                   "change against never re-ranking on the same samples (summed KL over summed KL) "
+                   "and on how many samples it is lower; then the re-rank's share of decode time at each R."), ""]
         head = "| policy | " + " | ".join("never" if rr == 0 else f"R={rr}" for rr in rs)
         head += " | " + " | ".join(f"re-rank % @ R={rr}" for rr in rs if rr) + " | n |"
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
