@@ -363,3 +363,30 @@ def test_sigterm_with_one_worker_says_how_to_continue(tmp_path):
         -2000:
     ]
     assert _rows(out) and not list(out.glob("results.part-*"))
+
+
+def test_the_device_is_part_of_the_setup(tmp_path, capsys):
+    """`device` is validated, recorded with the rows, and rows of two devices never share a
+    folder; a CUDA device that torch cannot see is refused by name."""
+    import torch
+
+    from sparsekv.evaluation.config import EvalConfig
+    from sparsekv.evaluation.folder import check_same_setup
+    from sparsekv.evaluation.models import load_model
+
+    with pytest.raises(ValueError, match="device='gpu'; allowed values: cpu, cuda, cuda:<index>"):
+        EvalConfig(model="tiny:llama", device="gpu")
+    out = tmp_path / "x"
+    assert main([*_grid("0.3"), "--out", str(out)]) == 0
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["device"] == "cpu" and cfg["environment"]["device"] == "cpu"
+    on_gpu = EvalConfig(**{k: v for k, v in cfg.items() if k not in ("environment", "policy_specs")}
+                        | {"device": "cuda:0"})
+    with pytest.raises(ValueError, match="device='cpu', this grid has device='cuda:0'"):
+        check_same_setup(out, on_gpu)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA device"):
+            load_model("tiny:llama", device="cuda")
+        capsys.readouterr()
+        assert main([*_grid("0.3"), "--out", str(tmp_path / "y"), "--device", "cuda"]) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err

@@ -52,6 +52,7 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", help="'default' (gemma-3-270m), 'tiny:<family>' or a local model folder")
     p.add_argument("--dtype", help="float32, bfloat16 or float16")
     p.add_argument("--attn", dest="attn_implementation", help="sdpa or eager")
+    p.add_argument("--device", help="cpu (default), cuda or cuda:<index>")
     p.add_argument("--eviction", help="EvictionConfig fields for every policy, e.g. "
                                       "schedule=pyramid,rerank_every=16,recent_window=64")
     p.add_argument("--threads", type=int, help="torch threads (per worker)")
@@ -106,7 +107,7 @@ def resolve_config(args: argparse.Namespace):
 
     overrides: dict[str, Any] = {
         k: getattr(args, k)
-        for k in ("out", "model", "dtype", "attn_implementation", "tasks", "lengths", "policies",
+        for k in ("out", "model", "dtype", "attn_implementation", "device", "tasks", "lengths", "policies",
                   "budgets", "protocols", "samples", "seed", "threads", "workers")
         if getattr(args, k, None) is not None
     }
@@ -200,7 +201,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         from sparsekv.evaluation.rows import count_rows
 
         out = Path(cfg.out)
-        _, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
+        _, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)  # the codec only
         samples = build_samples(cfg, codec)
         with FolderLock(out):
             write_prompts(samples, cfg, out / "prompts.jsonl", keep_others=True)

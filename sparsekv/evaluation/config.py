@@ -32,6 +32,7 @@ and need not be listed ("full" in the list is accepted and ignored).
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,9 @@ class EvalConfig:
     """Model dtype: float32, bfloat16 or float16."""
     attn_implementation: str = "sdpa"
     """sdpa or eager."""
+    device: str = "cpu"
+    """Where the model runs: "cpu", "cuda" or "cuda:<index>". Rows of two devices never share a
+    folder (a resume with another device is refused)."""
     tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
     """Task names (see `sparsekv.evaluation.tasks.TASKS`)."""
     lengths: list[int] = field(default_factory=lambda: [1024])
@@ -226,6 +230,8 @@ class EvalConfig:
             raise ValueError(f"dtype={self.dtype!r}; allowed values: float32, bfloat16, float16")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation={self.attn_implementation!r}; allowed values: sdpa, eager")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device={self.device!r}; allowed values: cpu, cuda, cuda:<index>")
         self.tasks = [str(t) for t in _split(self.tasks, "tasks")]
         if not self.tasks:
             raise ValueError(f"tasks is empty; known tasks: {', '.join(TASKS)}")

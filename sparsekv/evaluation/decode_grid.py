@@ -212,7 +212,7 @@ def run_decode_grid(cfg: EvalConfig, model=None, codec=None, progress: bool = Tr
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     if model is None:
-        model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
+        model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed, device=cfg.device)
     from sparsekv.evaluation.execute import Runner
 
     runner = Runner(model, codec, cfg)

@@ -28,6 +28,7 @@ SETUP_FIELDS = (
     "model",
     "dtype",
     "attn_implementation",
+    "device",
     "seed",
     "eviction",
     "task_options",
@@ -221,8 +222,8 @@ def read_config(out: Path) -> dict[str, Any] | None:
 
 
 def check_same_setup(out: Path, cfg: EvalConfig) -> None:
-    """Refuse a grid whose model, dtype, attention, seed, eviction settings, task options or
-    prefill mode differ from those of the rows already in `out` (its config.yaml)."""
+    """Refuse a grid whose model, dtype, attention, device, seed, eviction settings, task options
+    or prefill mode differ from those of the rows already in `out` (its config.yaml)."""
     old = read_config(out)
     if not old:
         return

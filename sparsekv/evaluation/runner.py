@@ -73,6 +73,9 @@ def _environment(model, codec) -> dict[str, Any]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
+        "device": str(next(model.parameters()).device),
+        "accelerator": (torch.cuda.get_device_name(next(model.parameters()).device)
+                        if next(model.parameters()).is_cuda else None),
         "model_class": type(model).__name__,
         "tokenizer": codec.name,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -120,7 +123,7 @@ def _run_groups(
     from sparsekv.evaluation.models import load_model
 
     if model is None:
-        model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
+        model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed, device=cfg.device)
     runner = Runner(model, codec, cfg)
     runner.plan()
     with open(part, "a") as f:
@@ -249,7 +252,7 @@ def run_eval(
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     if model is None:
-        model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)
+        model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed, device=cfg.device)
     elif codec is None:
         raise ValueError("pass the codec together with the model")
     runner = Runner(model, codec, cfg)
