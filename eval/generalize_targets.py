@@ -22,10 +22,7 @@ that has fewer samples than its config asks for says so in its heading.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,10 @@ import torch
 import yaml
 
 from sparsekv.evaluation.config import REFERENCE
+from sparsekv.evaluation.folder import write_text_atomic
+from sparsekv.evaluation.metrics import mean
+from sparsekv.evaluation.rows import read_rows as read_jsonl
+from sparsekv.evaluation.summary import share_interval
 from sparsekv.evaluation.tasks import TASKS
 
 RESAMPLES = 2000
@@ -48,7 +49,7 @@ def read_rows(folder: Path) -> list[dict[str, Any]]:
     path = folder / "results.jsonl"
     if not path.exists():
         raise SystemExit(f"--out {folder}: no results.jsonl there")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 class Grid:
@@ -93,7 +94,7 @@ class Grid:
         """(mean KL over the task's rows with one, rows with one, rows without)."""
         rows = self.cells.get((protocol, method, budget, task), {}).values()
         vals = [float(r["kl"]) for r in rows if r.get("kl") is not None and not math.isnan(float(r["kl"]))]
-        return (sum(vals) / len(vals) if vals else float("nan")), len(vals), len(rows) - len(vals)
+        return mean(vals), len(vals), len(rows) - len(vals)
 
     def methods(self, protocol: str) -> list[str]:
         seen: dict[str, None] = {}
@@ -104,7 +105,7 @@ class Grid:
 
 
 def _boot(pairs: list[tuple[float, float]], gen: torch.Generator) -> torch.Tensor:
-    """(RESAMPLES, 2) sums of resampled pairs."""
+    """(RESAMPLES, 2) sums of resampled pairs (as `summary.share_interval` draws them)."""
     t = torch.tensor(pairs, dtype=torch.float64)
     idx = torch.randint(len(pairs), (RESAMPLES, len(pairs)), generator=gen)
     return t[idx].sum(1)
@@ -118,14 +119,16 @@ def _ci(x: torch.Tensor) -> tuple[float, float]:
     return lo, hi
 
 
-def share(pairs: list[tuple[float, float]], seed: int = 0) -> tuple[float, float, float]:
-    """sum(method) / sum(full) with its paired 95% bootstrap interval."""
+def share(pairs: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """sum(method) / sum(full) with its paired 95% bootstrap interval (`summary.share_interval`,
+    the interval of the summary tables, over this one family)."""
     if not pairs:
         return float("nan"), float("nan"), float("nan")
     full = sum(p[1] for p in pairs)
     point = sum(p[0] for p in pairs) / full if full > 0 else float("nan")
-    s = _boot(pairs, torch.Generator().manual_seed(seed))
-    return (point, *_ci(s[:, 0] / s[:, 1])) if len(pairs) > 1 else (point, float("nan"), float("nan"))
+    if len(pairs) < 2:
+        return point, float("nan"), float("nan")
+    return (point, *share_interval([pairs], resamples=RESAMPLES))
 
 
 def mean_difference(
@@ -158,7 +161,7 @@ def _iv(lo: float, hi: float, fmt=_pct) -> str:
 
 
 def _acc(pairs: list[tuple[float, float]], i: int) -> float:
-    return sum(p[i] for p in pairs) / len(pairs) if pairs else float("nan")
+    return mean([p[i] for p in pairs])
 
 
 def _verdict(ok: bool | None) -> str:
@@ -182,8 +185,7 @@ def judge(grid: Grid, budget: float) -> tuple[list[str], dict[str, Any]]:
     out.append("|---|---|---|---|")
     for t in fams:
         fa, fw = grid.full("agnostic", t), grid.full("aware", t)
-        out.append(f"| {t} | {_pct(sum(fa) / len(fa) if fa else float('nan'))} | "
-                   f"{_pct(sum(fw) / len(fw) if fw else float('nan'))} | {len(fa)} |")
+        out.append(f"| {t} | {_pct(mean(fa))} | {_pct(mean(fw))} | {len(fa)} |")
     out.append("")
 
     # ---------------------------------------------------------------- issue 15 (a): agnostic share
@@ -200,7 +202,7 @@ def judge(grid: Grid, budget: float) -> tuple[list[str], dict[str, Any]]:
     ok15a, eligible = [], []
     for t in fams:
         fa = grid.full("agnostic", t)
-        acc = sum(fa) / len(fa) if fa else float("nan")
+        acc = mean(fa)
         counts = bool(fa) and acc >= SHARE_FLOOR
         cells = []
         for c in cols:
@@ -265,7 +267,7 @@ def judge(grid: Grid, budget: float) -> tuple[list[str], dict[str, Any]]:
             accs = {}
             for m in (LEARNED, *AWARE_RIVALS):
                 rs = grid.cells.get(("aware", m, b, t), {})
-                accs[m] = sum(float(r["score"]) for r in rs.values()) / len(rs) if rs else float("nan")
+                accs[m] = mean([float(r["score"]) for r in rs.values()])
             fw = grid.full("aware", t)
             rivals = [m for m in AWARE_RIVALS if not math.isnan(accs[m])]
             if math.isnan(accs[LEARNED]) or not rivals:
@@ -273,7 +275,7 @@ def judge(grid: Grid, budget: float) -> tuple[list[str], dict[str, Any]]:
             best = max(rivals, key=lambda m: accs[m])
             d, lo, hi = mean_difference([grid.paired("aware", t, (LEARNED, b), (best, b))])
             ok15c[b].append((t, accs[LEARNED] >= accs[best], d))
-            out.append(f"| {t} | {b} | {_pct(sum(fw) / len(fw) if fw else float('nan'))} | "
+            out.append(f"| {t} | {b} | {_pct(mean(fw))} | "
                        f"{_pct(accs[LEARNED])} | {_pct(accs['snapkv'])} | {_pct(accs['pyramidkv'])} | "
                        f"{_pts(d)}{_iv(lo, hi, _pts)} ({best}) |")
     out.append("")
@@ -336,20 +338,13 @@ def judge(grid: Grid, budget: float) -> tuple[list[str], dict[str, Any]]:
                 continue
             by.append(p)
             d, lo, hi = mean_difference([p])
-            out.append(f"| {protocol} | {t} | {_pct(sum(x[1] for x in p) / len(p))} | "
-                       f"{_pct(sum(x[0] for x in p) / len(p))} | {_pts(d)}{_iv(lo, hi, _pts)} |")
+            out.append(f"| {protocol} | {t} | {_pct(_acc(p, 1))} | {_pct(_acc(p, 0))} | "
+                       f"{_pts(d)}{_iv(lo, hi, _pts)} |")
         d, lo, hi = mean_difference(by)
         verdicts[f"19_{protocol}"] = d
         out.append(f"| {protocol} | **mean over families** | | | {_pts(d)}{_iv(lo, hi, _pts)} |")
     out.append("")
     return out, verdicts
-
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         head += [(f"**Provisional: {have} of {asked} samples per task so far** (the grid is still "
                   "running; verdicts on the finished grid are the ones that count)."), ""]
     text = "\n".join(head + lines) + "\n"
-    write_atomic(folder / "targets.md", text)
+    write_text_atomic(folder / "targets.md", text)
     print(text)
     return 0
 

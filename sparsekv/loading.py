@@ -78,10 +78,16 @@ def load_model(
     device: str | torch.device = "cpu",
     hub: bool = False,
 ) -> LoadedModel:
-    """Load the model of `spec` (see the module docstring), frozen and in eval mode."""
+    """Load the model of `spec` (see the module docstring), frozen and in eval mode, on `device`
+    (a CUDA device that torch cannot see is refused before anything loads)."""
     from sparsekv.default_model import DEFAULT_MODEL_ID, load_default_model, resolve_dtype
 
     validate_model_spec(spec, hub=hub)
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={str(device)!r}, but this torch ({torch.__version__}) sees no CUDA device; "
+            "allowed here: cpu"
+        )
     torch_dtype = resolve_dtype(dtype, "dtype")
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(

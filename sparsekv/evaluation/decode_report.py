@@ -203,6 +203,16 @@ def rerank_markdown(study: dict[tuple[str, str], dict[str, dict[int, dict[str, A
     return lines
 
 
+def _save(fig, path: Path) -> Path:
+    """Lay out, write (PNG, 110 dpi) and close a figure; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_rerank(study: dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]]], out: Path) -> list[Path]:
     """`rerank-<task>.png`: mean KL against R per policy, one panel per budget."""
     import matplotlib
@@ -224,11 +234,7 @@ def plot_rerank(study: dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]
             ax.set(xlabel="re-rank every R steps", ylabel="mean KL(full || method), nats",
                    title=f"{task}, budget {budget} tokens")
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"rerank-{task}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / f"rerank-{task}.png"))
     return written
 
 
@@ -249,11 +255,7 @@ def plot(summary: dict[tuple[str, str], list[dict[str, Any]]], out: Path, curve_
         ax.set(xlabel="continuation position (tokens)", ylabel="KL(full || method), nats",
                title=f"{task}, budget {budget} tokens")
         ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        path = out / f"kl-position-{task}-{budget}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / f"kl-position-{task}-{budget}.png"))
         if budget in kv_done:
             continue
         kv_done.add(budget)
@@ -265,11 +267,7 @@ def plot(summary: dict[tuple[str, str], list[dict[str, Any]]], out: Path, curve_
         ax.set(xlabel="continuation position (tokens)", ylabel="KV MiB (all layers)",
                title=f"KV bytes held, budget {budget} tokens ({task})")
         ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        path = out / f"kv-position-{budget}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / f"kv-position-{budget}.png"))
     return written
 
 

@@ -65,6 +65,7 @@ def _environment(model, codec) -> dict[str, Any]:
 
     from sparsekv import __version__
 
+    device = next(model.parameters()).device
     return {
         "sparsekv": __version__,
         "torch": str(torch.__version__),
@@ -73,9 +74,8 @@ def _environment(model, codec) -> dict[str, Any]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
-        "device": str(next(model.parameters()).device),
-        "accelerator": (torch.cuda.get_device_name(next(model.parameters()).device)
-                        if next(model.parameters()).is_cuda else None),
+        "device": str(device),
+        "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "model_class": type(model).__name__,
         "tokenizer": codec.name,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
