@@ -100,6 +100,42 @@ def tensors_digest(state: dict[str, torch.Tensor]) -> str:
     return hash_tensors(hashlib.sha256(), state).hexdigest()
 
 
+def check_uses(
+    uses: Any, aware: dict[str, Any], name: str = "uses"
+) -> dict[str, dict[str, Any]]:
+    """The per-use settings an adapter records (use -> the learned settings the use sets; the
+    others follow `aware`), checked; `name` is the parameter the errors name (the training
+    config calls it "inference.uses")."""
+    allowed = ", ".join(USES[1:])
+    if not isinstance(uses, dict):
+        raise ValueError(f"{name}={uses!r} must be a dict of use name ({allowed}) -> settings")
+    out = {}
+    for use, settings in uses.items():
+        if use == "aware":
+            raise ValueError(
+                f'{name} must not hold "aware": its settings are the fields '
+                f"{', '.join(POLICY_DEFAULTS)}"
+            )
+        if use not in USES:
+            raise ValueError(f"{name} has unknown use {use!r}; allowed: {allowed}")
+        if not isinstance(settings, dict):
+            raise ValueError(
+                f"{name}[{use!r}]={settings!r} must be a dict over {', '.join(POLICY_DEFAULTS)}"
+            )
+        bad = sorted(set(settings) - set(POLICY_DEFAULTS))
+        if bad:
+            raise ValueError(
+                f"{name}[{use!r}] has unknown setting(s) {bad}; allowed: "
+                f"{', '.join(POLICY_DEFAULTS)}"
+            )
+        try:
+            full = check_learned_settings(**{**aware, **settings})
+        except ValueError as e:
+            raise ValueError(f"{name}[{use!r}]: {e}") from e
+        out[use] = {k: full[k] for k in settings}  # what the use sets; the rest follows aware
+    return out
+
+
 def _check_target(target: Any) -> dict[str, Any]:
     """The target dict validated by `TargetConfig` (defaults filled in); keys it does not know
     are kept as recorded, with a warning."""
@@ -199,7 +235,7 @@ class AdapterConfig:
         aware = check_learned_settings(**{k: getattr(self, k) for k in POLICY_DEFAULTS})
         for k, v in aware.items():
             setattr(self, k, v)
-        self.uses = self._check_uses(self.uses, aware)
+        self.uses = check_uses(self.uses, aware)
         if self.lora is not None and (
             not isinstance(self.lora, str)
             or not self.lora
@@ -231,36 +267,6 @@ class AdapterConfig:
                         f"eval_results entry {r!r} is not a valid EvalResult: {e}"
                     ) from e
 
-    @staticmethod
-    def _check_uses(uses: Any, aware: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        if not isinstance(uses, dict):
-            raise ValueError(f"uses={uses!r} must be a dict of use name -> settings")
-        out = {}
-        for name, settings in uses.items():
-            if name == "aware":
-                raise ValueError(
-                    'uses must not hold "aware": its settings are the fields '
-                    f"{', '.join(POLICY_DEFAULTS)}"
-                )
-            if name not in USES:
-                raise ValueError(f"uses has unknown use {name!r}; allowed: {', '.join(USES[1:])}")
-            if not isinstance(settings, dict):
-                raise ValueError(
-                    f"uses[{name!r}]={settings!r} must be a dict over {', '.join(POLICY_DEFAULTS)}"
-                )
-            bad = sorted(set(settings) - set(POLICY_DEFAULTS))
-            if bad:
-                raise ValueError(
-                    f"uses[{name!r}] has unknown setting(s) {bad}; allowed: "
-                    f"{', '.join(POLICY_DEFAULTS)}"
-                )
-            try:
-                full = check_learned_settings(**{**aware, **settings})
-            except ValueError as e:
-                raise ValueError(f"uses[{name!r}]: {e}") from e
-            out[name] = {k: full[k] for k in settings}  # what the use sets; the rest follows aware
-        return out
-
     @property
     def target_config(self) -> TargetConfig:
         known = {f.name for f in fields(TargetConfig)}
@@ -278,7 +284,7 @@ class AdapterConfig:
             raise ValueError(
                 f"use={use!r} is not recorded by this adapter; allowed values: {recorded}"
             )
-        self._check_uses({use: self.uses[use]}, aware)
+        check_uses({use: self.uses[use]}, aware)
         return check_learned_settings(**{**aware, **self.uses[use]})
 
     def to_dict(self) -> dict[str, Any]:
@@ -286,7 +292,7 @@ class AdapterConfig:
         d = asdict(self)
         for k in POLICY_DEFAULTS:
             d.pop(k)
-        uses = self._check_uses(self.uses, self.settings("aware"))  # refuses "aware" among them
+        uses = check_uses(self.uses, self.settings("aware"))  # refuses "aware" among them
         d["uses"] = {"aware": self.settings("aware"), **uses}
         return {TYPE_KEY: TYPE_TAG, "format_version": FORMAT_VERSION, **d}
 

@@ -161,8 +161,9 @@ def test_kvzap_config_is_kvzaps_recipe():
     [
         ({"offline": {}}, "unknown use 'offline'"),
         ({"agnostic": {"kernel": 3}}, "unknown setting(s) ['kernel']"),
-        ({"agnostic": {"kernel_size": 4}}, "inference.uses.agnostic: kernel_size=4"),
-        ({"agnostic": 3}, "must map use names"),
+        ({"agnostic": {"kernel_size": 4}}, "inference.uses['agnostic']: kernel_size=4"),
+        ({"agnostic": 3}, "inference.uses['agnostic']=3 must be a dict over"),
+        ({"aware": {}}, 'inference.uses must not hold "aware"'),
     ],
 )
 def test_inference_uses_errors_name_the_use(uses, words):

@@ -230,34 +230,17 @@ class TrainConfig:
         the adapter records for that use (unset ones take the aware defaults above); empty = the
         adapter's own defaults for those uses (see sparsekv.adapter_format)."""
         from sparsekv.adapter import POLICY_DEFAULTS, AdapterConfig
-        from sparsekv.adapter_format import USES
+        from sparsekv.adapter_format import check_uses
         from sparsekv.policies.learned import check_settings
 
-        uses = self.inference.get("uses") or {}
-        names = [u for u in USES if u != "aware"]
-        if not isinstance(uses, dict) or any(not isinstance(v, dict) for v in uses.values()):
-            raise ValueError(
-                f"inference.uses={uses!r} must map use names ({', '.join(names)}) to settings"
-            )
         defaults = {f.name: f.default for f in fields(AdapterConfig) if f.name in POLICY_DEFAULTS}
         aware = {k: v for k, v in self.inference.items() if k != "uses"}
-        out = {}
-        for name, settings in uses.items():
-            if name not in names:
-                raise ValueError(
-                    f"inference.uses has unknown use {name!r}; allowed: {', '.join(names)}"
-                )
-            bad = sorted(set(settings) - set(POLICY_DEFAULTS))
-            if bad:
-                raise ValueError(
-                    f"inference.uses.{name} has unknown setting(s) {bad}; "
-                    f"allowed: {', '.join(POLICY_DEFAULTS)}"
-                )
-            try:
-                out[name] = check_settings(**{**defaults, **aware, **settings})
-            except ValueError as e:
-                raise ValueError(f"inference.uses.{name}: {e}") from None
-        return out
+        try:
+            aware = check_settings(**{**defaults, **aware})
+        except ValueError as e:
+            raise ValueError(f"inference.{e}") from None
+        uses = check_uses(self.inference.get("uses") or {}, aware, name="inference.uses")
+        return {use: {**aware, **settings} for use, settings in uses.items()}
 
     def lora_config(self):
         """The `lora:` section as a `train.lora.LoraTrainConfig`, or None when it is empty."""
