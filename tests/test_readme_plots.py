@@ -1,5 +1,6 @@
 """README plots (issue 19.6): a few chosen methods, named as in the tables, the retrieval share
-with the report's own 95% bootstrap interval as error bars, the mean KL, n in the title."""
+and the mean KL, each with the report's own 95% bootstrap interval as error bars, n in the
+title."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _rows() -> list[dict]:
             sid = f"{t}-{i}"
             rows += [row(t, sid, "full", 1.0, 1.0, 0.0)]
             rows += [
-                row(t, sid, "a", 0.1, float(i % 2), 0.4),
+                row(t, sid, "a", 0.1, float(i % 2), 0.3 + 0.2 * (i % 2)),
                 row(t, sid, "a", 0.3, float(i % 3 > 0), 0.2),
             ]
             rows += [row(t, sid, "b", 0.1, 0.0, 0.9), row(t, sid, "b", 0.3, float(i == 0), 0.5)]
@@ -59,15 +60,22 @@ def test_points_are_the_reports_own_shares_and_intervals():
     stats = {(st["policy"], st["budget"]): st for st in computed[("agnostic", 512)][0]}
     for p in pts:
         st = stats[(p["name"].split(" (")[0], p["budget"])]
-        assert (p["share"], p["lo"], p["hi"], p["kl"], p["n"]) == (
+        assert (p["share"], p["lo"], p["hi"], p["kl"], p["kl_lo"], p["kl_hi"], p["n"]) == (
             st["share"],
             st["lo"],
             st["hi"],
             st["kl"],
+            st["kl_lo"],
+            st["kl_hi"],
             6,
         )
     a03 = next(p for p in pts if p["name"] == "a" and p["budget"] == 0.3)
     assert a03["share"] == pytest.approx(4 / 6) and a03["lo"] < a03["share"] < a03["hi"]
+    # KL 0.3 or 0.5 per prompt, 3 of each per task: mean 0.4, and resamples move it both ways
+    a01 = next(p for p in pts if p["name"] == "a" and p["budget"] == 0.1)
+    assert a01["kl"] == pytest.approx(0.4) and 0.3 <= a01["kl_lo"] < 0.4 < a01["kl_hi"] <= 0.5
+    # the same KL on every prompt: no spread to show
+    assert a03["kl_lo"] == pytest.approx(0.2) and a03["kl_hi"] == pytest.approx(0.2)
 
 
 def test_the_figure_draws_those_points_with_interval_bars_and_n_in_the_title():
@@ -82,8 +90,12 @@ def test_the_figure_draws_those_points_with_interval_bars_and_n_in_the_title():
     assert list(line.get_ydata()) == pytest.approx([100 * p["share"] for p in mine])
     spans = [(float(seg[0][1]), float(seg[1][1])) for seg in segments.get_segments()]
     assert spans == [pytest.approx((100 * p["lo"], 100 * p["hi"])) for p in mine]
-    (kl,) = [list(ln.get_ydata()) for ln in ax_kl.lines if ln.get_label() == "a"]
-    assert kl == pytest.approx([0.4, 0.2])
+    kl_bars = {c.get_label(): c for c in ax_kl.containers}
+    assert set(kl_bars) == {"a", "b"}
+    kl_line, _, (kl_segments,) = kl_bars["a"].lines
+    assert list(kl_line.get_ydata()) == pytest.approx([0.4, 0.2])
+    kl_spans = [(float(seg[0][1]), float(seg[1][1])) for seg in kl_segments.get_segments()]
+    assert kl_spans == [pytest.approx((p["kl_lo"], p["kl_hi"])) for p in mine]
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend == ["full cache", "a", "b"]
 

@@ -147,7 +147,7 @@ def readme_series(
 ) -> dict[tuple, list[dict[str, Any]]]:
     """Per (protocol, length) of `computed` (`summary.glance_stats` per view), the points of the
     chosen `series`, in the order given: name, budget, share with its 95% interval lo-hi, mean
-    KL over tasks, samples n. Views where none of the series ran are left out. Raises ValueError
+    KL over tasks with its interval kl_lo-kl_hi, samples n. Views where none of the series ran are left out. Raises ValueError
     naming the unknown names and the available ones, or when more than 6 series are asked for."""
     if not series or len(series) > README_MAX_SERIES:
         raise ValueError(
@@ -172,7 +172,7 @@ def readme_series(
         pts = [
             {
                 "name": series_name(st["source"], st["policy"]),
-                **{k: st[k] for k in ("budget", "share", "lo", "hi", "kl", "n")},
+                **{k: st[k] for k in ("budget", "share", "lo", "hi", "kl", "kl_lo", "kl_hi", "n")},
             }
             for st in stats
             if series_name(st["source"], st["policy"]) in series
@@ -187,8 +187,8 @@ def readme_figure(
     points: list[dict[str, Any]], protocol: str, length: int, order: list[str] | None = None
 ):
     """The README figure of one protocol and length (`readme_series` points): retrieval share of
-    the full cache's with its 95% bootstrap interval as error bars, and the mean KL over tasks,
-    against the budget. `order`: every series' name, so that a series keeps its colour and
+    the full cache's and the mean KL over tasks, each with its 95% bootstrap interval as error
+    bars, against the budget. `order`: every series' name, so that a series keeps its colour and
     marker across figures. Returns the matplotlib figure."""
     import matplotlib
 
@@ -222,7 +222,13 @@ def readme_figure(
             "label": name,
         }
         ax_s.errorbar(x, share, yerr=err, capsize=4, elinewidth=1.1, **style)
-        ax_k.plot(x, [p["kl"] if p["kl"] > 0 else float("nan") for p in pts], **style)
+        kl = [p["kl"] if p["kl"] > 0 else float("nan") for p in pts]
+        known = [p["kl"] > 0 and not math.isnan(p["kl_lo"]) for p in pts]  # else no bar
+        kl_err = [
+            [p["kl"] - p["kl_lo"] if ok else 0.0 for p, ok in zip(pts, known, strict=True)],
+            [p["kl_hi"] - p["kl"] if ok else 0.0 for p, ok in zip(pts, known, strict=True)],
+        ]
+        ax_k.errorbar(x, kl, yerr=kl_err, capsize=4, elinewidth=1.1, **style)
     ax_s.axhline(100, color="black", ls="--", lw=0.9, alpha=0.7, label="full cache")
     ax_s.set_ylabel("retrieval: share of the full cache's answers (%)")
     ax_s.set_ylim(bottom=0)

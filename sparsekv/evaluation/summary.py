@@ -139,6 +139,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(
             {
                 "_pairs": [p for p in pairs if not (math.isnan(p[0]) or math.isnan(p[1]))],
+                "_kls": [k for k in (_num(r.get("kl")) for r in rs) if not math.isnan(k)],
                 "source": source,
                 "task": task,
                 "length": length,
@@ -193,6 +194,22 @@ def method_order(summary: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
     return sorted(keys, key=lambda k: (k[1] != REFERENCE, order[k[:2]], budget_key(k[2])))
 
 
+def mean_interval(
+    samples_by_task: list[list[float]], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean over tasks of each task's mean, from each
+    task's samples (e.g. a method's KL per prompt), resampled within the task."""
+    g = torch.Generator().manual_seed(seed)
+    means = []
+    for xs in samples_by_task:
+        t = torch.tensor(xs, dtype=torch.float64)
+        means.append(t[torch.randint(len(xs), (resamples, len(xs)), generator=g)].mean(1))
+    lo, hi = torch.quantile(
+        torch.stack(means).mean(0), torch.tensor([0.025, 0.975], dtype=torch.float64)
+    ).tolist()
+    return lo, hi
+
+
 def share_interval(
     pairs_by_task: list[list[tuple[float, float]]], resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float]:
@@ -219,7 +236,7 @@ def glance_stats(
     """Per method and budget of one protocol and length (the full cache left out): `share` (the
     retrieval accuracy as a share of the full cache's, averaged over the question tasks the full
     cache answers at all, NaN if none) with its 95% interval `lo`-`hi`, `kl` (the mean over every
-    task), `kl_right` (the mean over those question tasks of the KL on the samples the full cache
+    task) with its 95% interval `kl_lo`-`kl_hi` (`mean_interval`), `kl_right` (the mean over those question tasks of the KL on the samples the full cache
     answers right), `lowest` (in how many tasks it has the lowest KL of all methods at the same
     budget) of `tasks_kl` (variants of one policy, e.g. its ablations, are not compared with each other), and
     `n` (samples). Returns those and the tasks the share averages over."""
@@ -257,6 +274,10 @@ def glance_stats(
         if fracs and len(pairs) == len(fracs) and min(len(p) for p in pairs) > 1:
             lo, hi = share_interval(pairs)
         kls = [c["kl"] for c in cells.values() if c and not math.isnan(c["kl"])]
+        kl_samples = [c["_kls"] for c in cells.values() if c and c.get("_kls")]
+        kl_lo = kl_hi = float("nan")
+        if kls and len(kl_samples) == len(kls) and min(len(k) for k in kl_samples) > 1:
+            kl_lo, kl_hi = mean_interval(kl_samples)
         right = [
             cells[t]["kl_right"]
             for t in scored
@@ -272,6 +293,8 @@ def glance_stats(
                 "lo": lo,
                 "hi": hi,
                 "kl": mean(kls) if kls else float("nan"),
+                "kl_lo": kl_lo,
+                "kl_hi": kl_hi,
                 "tasks_kl": len(kls),
                 "kl_right": mean(right) if right else float("nan"),
                 "lowest": sum(1 for t, c in cells.items() if lowest(c, m[2], t)),
