@@ -34,7 +34,7 @@ from sparsekv.evaluation.config import REFERENCE
 from sparsekv.evaluation.folder import write_text_atomic
 from sparsekv.evaluation.metrics import mean
 from sparsekv.evaluation.rows import read_rows as read_jsonl
-from sparsekv.evaluation.summary import share_interval
+from sparsekv.evaluation.summary import bootstrap_draws, interval95, share_interval
 from sparsekv.evaluation.tasks import TASKS
 
 RESAMPLES = 2000
@@ -106,17 +106,7 @@ class Grid:
 
 def _boot(pairs: list[tuple[float, float]], gen: torch.Generator) -> torch.Tensor:
     """(RESAMPLES, 2) sums of resampled pairs (as `summary.share_interval` draws them)."""
-    t = torch.tensor(pairs, dtype=torch.float64)
-    idx = torch.randint(len(pairs), (RESAMPLES, len(pairs)), generator=gen)
-    return t[idx].sum(1)
-
-
-def _ci(x: torch.Tensor) -> tuple[float, float]:
-    x = x[torch.isfinite(x)]
-    if not len(x):
-        return float("nan"), float("nan")
-    lo, hi = torch.quantile(x, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return lo, hi
+    return bootstrap_draws(pairs, RESAMPLES, gen).sum(1)
 
 
 def share(pairs: list[tuple[float, float]]) -> tuple[float, float, float]:
@@ -145,7 +135,7 @@ def mean_difference(
         sums = _boot(p, gen)
         diffs.append((sums[:, 0] - sums[:, 1]) / len(p))
     diffs = torch.stack(diffs)
-    return (point, *_ci(diffs.mean(0)))
+    return (point, *interval95(diffs.mean(0)))
 
 
 def _pct(x: float) -> str:

@@ -207,8 +207,7 @@ class TrainConfig:
 
     def inference_kwargs(self) -> dict[str, Any]:
         """`inference` checked against the adapter's policy defaults (AdapterConfig fields)."""
-        from sparsekv.adapter import POLICY_DEFAULTS, AdapterConfig
-        from sparsekv.policies.learned import check_settings
+        from sparsekv.adapter import POLICY_DEFAULTS
 
         if not isinstance(self.inference, dict):
             raise ValueError(f"inference={self.inference!r} must be a mapping with keys {', '.join(POLICY_DEFAULTS)}")
@@ -216,14 +215,8 @@ class TrainConfig:
         if bad:
             allowed = ", ".join([*POLICY_DEFAULTS, "uses"])
             raise ValueError(f"inference has unknown key(s) {bad}; allowed: {allowed}")
-        defaults = {f.name: f.default for f in fields(AdapterConfig) if f.name in POLICY_DEFAULTS}
-        aware = {k: v for k, v in self.inference.items() if k != "uses"}
-        try:
-            check_settings(**{**defaults, **aware})
-        except ValueError as e:
-            raise ValueError(f"inference.{e}") from None
-        self.inference_uses()
-        return aware
+        self.inference_uses()  # checks the aware settings too
+        return {k: v for k, v in self.inference.items() if k != "uses"}
 
     def inference_uses(self) -> dict[str, dict[str, Any]]:
         """`inference.uses`: use name ("agnostic", "decode") -> the learned policy's settings that

@@ -147,8 +147,9 @@ def readme_series(
 ) -> dict[tuple, list[dict[str, Any]]]:
     """Per (protocol, length) of `computed` (`summary.glance_stats` per view), the points of the
     chosen `series`, in the order given: name, budget, share with its 95% interval lo-hi, mean
-    KL over tasks with its interval kl_lo-kl_hi, samples n. Views where none of the series ran are left out. Raises ValueError
-    naming the unknown names and the available ones, or when more than 6 series are asked for."""
+    KL over tasks with its interval kl_lo-kl_hi, samples n. Views where none of the series ran
+    are left out. Raises ValueError naming the unknown names and the available ones, or when
+    more than 6 series are asked for."""
     if not series or len(series) > README_MAX_SERIES:
         raise ValueError(
             f"readme plots take 1 to {README_MAX_SERIES} series (a reader tells about as many "

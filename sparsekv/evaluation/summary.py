@@ -136,10 +136,11 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if spec and spec.kind == "answer"
             else []
         )
+        kls = [k for k in (_num(r.get("kl")) for r in rs) if not math.isnan(k)]
         out.append(
             {
                 "_pairs": [p for p in pairs if not (math.isnan(p[0]) or math.isnan(p[1]))],
-                "_kls": [k for k in (_num(r.get("kl")) for r in rs) if not math.isnan(k)],
+                "_kls": kls,
                 "source": source,
                 "task": task,
                 "length": length,
@@ -151,7 +152,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "errors": sum(1 for r in rs if r.get("error")),
                 "score": mean(scores),
                 "score_frac": pol_sum / ref_sum if paired and ref_sum > 0 else float("nan"),
-                "kl": mean([_num(r.get("kl")) for r in rs]),
+                "kl": mean(kls),
                 "kl_right": mean(right) if right else float("nan"),
                 "n_right": len(right),
                 "kl_mean": mean([_num(r.get("kl_mean")) for r in rs]),
@@ -194,20 +195,30 @@ def method_order(summary: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
     return sorted(keys, key=lambda k: (k[1] != REFERENCE, order[k[:2]], budget_key(k[2])))
 
 
+def bootstrap_draws(samples: list, resamples: int, generator: torch.Generator) -> torch.Tensor:
+    """`resamples` resamples (with replacement) of one task's samples (scalars, or pairs),
+    float64: shape (resamples, n) or (resamples, n, 2)."""
+    t = torch.tensor(samples, dtype=torch.float64)
+    return t[torch.randint(len(samples), (resamples, len(samples)), generator=generator)]
+
+
+def interval95(x: torch.Tensor) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the finite values of `x` (NaN, NaN if none)."""
+    x = x[torch.isfinite(x)]
+    if not len(x):
+        return float("nan"), float("nan")
+    lo, hi = torch.quantile(x, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
 def mean_interval(
     samples_by_task: list[list[float]], resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the mean over tasks of each task's mean, from each
     task's samples (e.g. a method's KL per prompt), resampled within the task."""
     g = torch.Generator().manual_seed(seed)
-    means = []
-    for xs in samples_by_task:
-        t = torch.tensor(xs, dtype=torch.float64)
-        means.append(t[torch.randint(len(xs), (resamples, len(xs)), generator=g)].mean(1))
-    lo, hi = torch.quantile(
-        torch.stack(means).mean(0), torch.tensor([0.025, 0.975], dtype=torch.float64)
-    ).tolist()
-    return lo, hi
+    means = [bootstrap_draws(xs, resamples, g).mean(1) for xs in samples_by_task]
+    return interval95(torch.stack(means).mean(0))
 
 
 def share_interval(
@@ -218,16 +229,9 @@ def share_interval(
     g = torch.Generator().manual_seed(seed)
     shares = []
     for pairs in pairs_by_task:
-        t = torch.tensor(pairs, dtype=torch.float64)  # (n, 2)
-        idx = torch.randint(len(pairs), (resamples, len(pairs)), generator=g)
-        sums = t[idx].sum(1)  # (resamples, 2)
+        sums = bootstrap_draws(pairs, resamples, g).sum(1)  # (resamples, 2)
         shares.append(sums[:, 0] / sums[:, 1])  # inf / nan where a resample's full cache scores 0
-    mean_share = torch.stack(shares).mean(0)
-    mean_share = mean_share[torch.isfinite(mean_share)]
-    if not len(mean_share):
-        return float("nan"), float("nan")
-    lo, hi = torch.quantile(mean_share, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return lo, hi
+    return interval95(torch.stack(shares).mean(0))
 
 
 def glance_stats(
@@ -236,10 +240,11 @@ def glance_stats(
     """Per method and budget of one protocol and length (the full cache left out): `share` (the
     retrieval accuracy as a share of the full cache's, averaged over the question tasks the full
     cache answers at all, NaN if none) with its 95% interval `lo`-`hi`, `kl` (the mean over every
-    task) with its 95% interval `kl_lo`-`kl_hi` (`mean_interval`), `kl_right` (the mean over those question tasks of the KL on the samples the full cache
-    answers right), `lowest` (in how many tasks it has the lowest KL of all methods at the same
-    budget) of `tasks_kl` (variants of one policy, e.g. its ablations, are not compared with each other), and
-    `n` (samples). Returns those and the tasks the share averages over."""
+    task) with its 95% interval `kl_lo`-`kl_hi` (`mean_interval`), `kl_right` (the mean over
+    those question tasks of the KL on the samples the full cache answers right), `lowest` (in
+    how many tasks it has the lowest KL of all methods at the same budget) of `tasks_kl`
+    (variants of one policy, e.g. its ablations, are not compared with each other), and `n`
+    (samples). Returns those and the tasks the share averages over."""
     retrieval = [t for t in tasks if TASKS.get(t) and TASKS[t].kind == "answer"]
     full = {t: idx.get(("sparsekv", REFERENCE, 1.0, t)) for t in tasks}
     scored = [t for t in retrieval if full[t] and full[t]["score"] > 0]
@@ -273,10 +278,10 @@ def glance_stats(
         lo = hi = float("nan")
         if fracs and len(pairs) == len(fracs) and min(len(p) for p in pairs) > 1:
             lo, hi = share_interval(pairs)
-        kls = [c["kl"] for c in cells.values() if c and not math.isnan(c["kl"])]
-        kl_samples = [c["_kls"] for c in cells.values() if c and c.get("_kls")]
+        kl_samples = [c["_kls"] for c in cells.values() if c and c["_kls"]]  # the cells with a KL
+        kls = [c["kl"] for c in cells.values() if c and c["_kls"]]
         kl_lo = kl_hi = float("nan")
-        if kls and len(kl_samples) == len(kls) and min(len(k) for k in kl_samples) > 1:
+        if kl_samples and min(len(k) for k in kl_samples) > 1:
             kl_lo, kl_hi = mean_interval(kl_samples)
         right = [
             cells[t]["kl_right"]
