@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -186,7 +187,8 @@ def probe(model, mode: str, ids, batch: int, args, compiled: bool = True) -> dic
             )
         tok = tok.expand(batch, 1).contiguous()
         step = model
-        if compiled and mode != "dynamic" and args.compile != "none":
+        compiled = compiled and mode != "dynamic" and args.compile != "none"
+        if compiled:
             # dynamic=None: after the first batch size, dynamo recompiles once with the batch
             # (and the slot count) symbolic; later probes only record new CUDA graphs
             model.forward = torch.compile(model.forward, mode=args.compile)
@@ -205,10 +207,13 @@ def probe(model, mode: str, ids, batch: int, args, compiled: bool = True) -> dic
             "warmup_s": warm,
             "decode_s": secs,
             "tok_s": batch * args.new_tokens / secs,
+            "ms_per_step": 1000 * secs / args.new_tokens,
+            "compiled": compiled,
         }
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
             raise
+        log(f"    {mode} @ {n}, batch {batch}: out of memory ({str(e).splitlines()[0][:160]})")
         if compiled and args.compile != "none":  # a failed capture may leave stale graph state
             torch._dynamo.reset()
         return None
@@ -315,10 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.shape, dtype, args.device)
     weights = args.weights = sum(t.numel() * t.element_size() for t in model.parameters())
     if args.device.startswith("cuda"):
-        total = torch.cuda.get_device_properties(args.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(
-            min(1.0, args.memory_gib * 2**30 / total), args.device
-        )
+        index = torch.device(args.device).index  # "cuda" alone: the current device
+        index = torch.cuda.current_device() if index is None else index
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), index)
     log(
         f"{args.shape} ({weights / 2**30:.1f} GiB weights, {args.dtype}) on {args.device}, cap "
         f"{args.memory_gib:g} GiB, compile={args.compile}, modes {modes}, policy {args.policy}"
@@ -332,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             row = search(model, mode, ids, args, weights)
             row["search_s"] = time.perf_counter() - t0
             row["policy"] = args.policy if mode.startswith("0.3") else None
+            # transformers' switch: grouped-query sdpa even with a mask (no KV head expansion)
+            row["sdpa_force_gqa"] = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1"
             rows.append(row)
             log(
                 f"{n} {mode}: batch {row['batch']} (fails at {row.get('fails_at')}), "
@@ -349,21 +356,33 @@ def print_table(rows: list[dict], args) -> None:
         f"{args.new_tokens} timed steps, "
         f"compile={args.compile}, budget modes scored by {args.policy}"
     )
-    print("| length | mode | KV MiB / seq | largest batch run | fails at | tok/s | vs best full |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| length | mode | KV MiB / seq | largest batch run | fails at | ms / step | tok/s "
+        "| vs best full |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         full = [
             x["tok_s"]
             for x in rows
-            if x["length"] == r["length"] and x["mode"] in ("dynamic", "static")
+            if x["length"] == r["length"] and x["mode"] in ("dynamic", "static") and comparable(x)
         ]
         ratio = f"{r['tok_s'] / max(full):.2f}x" if full and max(full) > 0 else "-"
         per_seq = r.get("kv_bytes_per_seq", 0) / 2**20
+        if comparable(r):
+            speed = f"{r.get('ms_per_step', 0):.1f} | {r['tok_s']:.1f} | {ratio}"
+        else:  # only the eager batch-1 run fitted: no batch found, no speed to compare
+            speed = f"- | - (no batch > 1 ran in {r.get('probes', 0)} probes) | -"
         print(
             f"| {r['length']} | {r['mode']} | {per_seq:.1f} | {r['batch']} | "
-            f"{r.get('fails_at') or '-'} | "
-            f"{r['tok_s']:.1f} | {ratio} |"
+            f"{r.get('fails_at') or '-'} | {speed} |"
         )
+
+
+def comparable(row: dict) -> bool:
+    """A row whose speed is the searched batch's: not the eager batch-1 memory probe left
+    standing because every larger probe ran out of memory."""
+    return row["batch"] > 1 or not row.get("fails_at")
 
 
 if __name__ == "__main__":

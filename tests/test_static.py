@@ -315,3 +315,26 @@ def test_bench_serving_dry_run_on_cpu(tmp_path, capsys):
     assert rows["0.3+int8"]["kv_bytes_per_seq"] < 0.5 * rows["0.3"]["kv_bytes_per_seq"]
     assert rows["0.3+int8"]["batch"] > rows["0.3"]["batch"] > rows["static"]["batch"]
     assert "| 256 | 0.3+int8 |" in capsys.readouterr().out
+
+
+def test_bench_serving_table_keeps_a_failed_search_out_of_the_ratios(capsys):
+    """A mode where every probe past the eager batch-1 run ran out of memory has no speed to
+    compare: the table says so instead of printing batch 1's tok/s as a ratio, and such a row is
+    never the full-cache reference of the others."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    import argparse
+
+    import bench_serving
+
+    rows = [
+        {"length": 8, "mode": "dynamic", "batch": 4, "fails_at": 5, "tok_s": 100.0, "ms_per_step": 40.0},
+        {"length": 8, "mode": "static", "batch": 1, "fails_at": 3, "tok_s": 500.0, "probes": 3},
+        {"length": 8, "mode": "0.3", "batch": 12, "fails_at": 14, "tok_s": 300.0, "ms_per_step": 40.0},
+        {"length": 8, "mode": "0.3+int8", "batch": 1, "fails_at": 30, "tok_s": 20.0, "probes": 3},
+    ]
+    args = argparse.Namespace(shape="tiny", dtype="float32", memory_gib=1.0, new_tokens=3, compile="none", policy="learned")
+    bench_serving.print_table(rows, args)
+    out = capsys.readouterr().out
+    assert "| 8 | 0.3 | 0.0 | 12 | 14 | 40.0 | 300.0 | 3.00x |" in out  # against dynamic, not static's 500
+    assert "| 8 | 0.3+int8 | 0.0 | 1 | 30 | - | - (no batch > 1 ran in 3 probes) | - |" in out
+    assert "| 8 | dynamic | 0.0 | 4 | 5 | 40.0 | 100.0 | 1.00x |" in out
