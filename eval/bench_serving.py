@@ -46,6 +46,7 @@ import torch
 from bench_gpu import SHAPES, build_model
 
 from sparsekv import EvictionConfig, SparseKVCache
+from sparsekv import attention as sparse_attention
 from sparsekv.default_model import resolve_dtype
 from sparsekv.static_layer import finish_steps
 
@@ -287,6 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--policy", default="learned", choices=["learned", "snapkv", "knorm"],
                    help="scores of the budget modes (learned: untrained head, blend 0)")
+    p.add_argument(
+        "--attention",
+        default="packed",
+        choices=["packed", "transformers"],
+        help="decode attention of the full-cache modes: packed (sparsekv_sdpa: grouped-query "
+        "decode on the KV heads, what the budget modes always use) or transformers (its sdpa, "
+        "which repeats keys per query head when compiled; the 2026-11-30 table)",
+    )
     p.add_argument("--new-tokens", type=int, default=32, help="timed decode steps per probe")
     p.add_argument(
         "--warmup-steps", type=int, default=3, help="untimed decode steps (compile, capture)"
@@ -318,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.recompile_limit = 64  # every mode, batch and length reuses model.forward
     torch._dynamo.config.accumulated_recompile_limit = 512
     model = build_model(args.shape, dtype, args.device)
+    if args.attention == "packed":  # the baselines decode with the attention the budget modes use
+        model.set_attn_implementation(sparse_attention.register("sdpa"))
     weights = args.weights = sum(t.numel() * t.element_size() for t in model.parameters())
     if args.device.startswith("cuda"):
         index = torch.device(args.device).index  # "cuda" alone: the current device
@@ -337,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             row = search(model, mode, ids, args, weights)
             row["search_s"] = time.perf_counter() - t0
             row["policy"] = args.policy if mode.startswith("0.3") else None
+            row["attention"] = "packed" if mode.startswith("0.3") else args.attention
             # transformers' switch: grouped-query sdpa even with a mask (no KV head expansion)
             row["sdpa_force_gqa"] = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1"
             rows.append(row)
@@ -354,7 +366,8 @@ def print_table(rows: list[dict], args) -> None:
     print(
         f"\n{args.shape}, {args.dtype}, cap {args.memory_gib:g} GiB, "
         f"{args.new_tokens} timed steps, "
-        f"compile={args.compile}, budget modes scored by {args.policy}"
+        f"compile={args.compile}, budget modes scored by {args.policy}, full-cache decode "
+        f"attention {args.attention}"
     )
     print(
         "| length | mode | KV MiB / seq | largest batch run | fails at | ms / step | tok/s "

@@ -7,9 +7,10 @@
 # steps, measured on 2026-11-29 (docs/gpu-h200.md): the teacher statistics at 8K/16K/32K and
 # bench_gpu (bf16, fp16). Logs and JSON rows go to $OUT (default results/gpu).
 #
-# Sized for a 15-minute device budget: pytest ~1-2 min (limit 240 s), serving at 32K only by
-# default (limit 480 s; rows are written as they complete, the headline pair first; add 16K/8K
-# with SERVING_LENGTHS=32768,16384,8192 when there is time).
+# Sized for a 15-minute device budget: pytest ~1-2 min (limit 240 s; 45 s with PYTEST_ARGS="-n 8"
+# on the H200, 2026-11-30), serving at 32K only by default (limit 480 s; rows are written as they
+# complete, the headline pair first; 32K, 16K and 8K together took 483 s on 2026-11-30:
+# STEPS=serving SERVING_LIMIT=530 SERVING_LENGTHS=32768,16384,8192, docs/serving.md).
 #
 #   bash eval/gpu_checks.sh                                  # on a CUDA machine
 #   OUT=/tmp/gpu DEVICE=cpu SHAPE=tiny LENGTHS=256,512 DTYPE=float32 SERVING_LENGTHS=256 \

@@ -38,7 +38,12 @@ class MaskRequest:
 
     def __init__(self, base: str, kwargs: dict[str, Any]):
         self.base = base
-        self.kwargs = kwargs
+        # offsets as of the forward's start: a static cache passes its length as a device tensor
+        # that its first layer's update advances in place, before the mask is built here
+        self.kwargs = {
+            k: v.clone() if k.endswith("_offset") and isinstance(v, torch.Tensor) else v
+            for k, v in kwargs.items()
+        }
         self._mask: Any = None
         self._built = False
 
@@ -116,26 +121,68 @@ def expand_heads(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask[:, :, None].expand(b, h, groups, q, k).reshape(b, h * groups, q, k)
 
 
+def packed_decode_sdpa(query, key, value, mask, **kwargs):
+    """Grouped-query attention of one new token per sequence on the KV heads themselves, or None
+    when the call is not that case (then transformers' sdpa runs).
+
+    With a mask, transformers' sdpa folds a decode query's heads onto the KV heads only outside
+    `torch.compile`; compiled, it repeats every key and value `groups` times per layer and step
+    (`repeat_kv`), which for a long cache is the largest allocation and most of the memory traffic
+    of the step. Here the query `(batch, heads, 1, dim)` becomes `(batch, kv_heads, groups, dim)`:
+    the groups ride in the query-length axis, the mask `(batch or 1, kv_heads or 1, 1, k)` (or
+    per query head) broadcasts over them, and the keys are read once. Same arithmetic, any mode."""
+    b, hq, q, _ = query.shape
+    hk = key.shape[1]
+    if (
+        q != 1
+        or hq == hk
+        or not isinstance(mask, torch.Tensor)
+        or mask.dtype != torch.bool
+        or mask.shape[1] not in (1, hk, hq)
+        or kwargs.get("dropout", 0.0)
+        or kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("s_aux") is not None
+    ):
+        return None
+    g = hq // hk
+    if mask.shape[1] == hq:  # per query head, in GQA order: fold like the query
+        mask = mask.reshape(mask.shape[0], hk, g, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(b, hk, g, query.shape[-1]),
+        key,
+        value,
+        attn_mask=mask,
+        scale=kwargs.get("scaling"),
+    )
+    return out.reshape(b, hq, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
 def _attention(base, module, query, key, value, attention_mask, **kwargs):
     request = attention_mask if isinstance(attention_mask, MaskRequest) else None
     fn = _base_function(base, module)
     layer = claim_layer(module.layer_idx)
     if layer is None:
         mask = request.standard() if request is not None else attention_mask
-        return fn(module, query, key, value, mask, **kwargs)
+        packed = packed_decode_sdpa(query, key, value, mask, **kwargs) if base == "sdpa" else None
+        return packed or fn(module, query, key, value, mask, **kwargs)
 
     groups = query.shape[1] // key.shape[1]
     layer.note_padding(request.padding if request is not None else None)
     # (batch or 1, kv_heads or 1, q, k) bool, or None when the kernel needs none
     kv_mask = layer.attention_mask(query.shape[2], explicit_causal=base == "eager")
-    mask = None
-    if kv_mask is not None:
-        mask = expand_heads(kv_mask, groups) if kv_mask.shape[1] > 1 else kv_mask
-        if base == "eager":
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                ~mask, torch.finfo(query.dtype).min
-            )
-    out, weights = fn(module, query, key, value, mask, **kwargs)
+    packed = packed_decode_sdpa(query, key, value, kv_mask, **kwargs) if base == "sdpa" else None
+    if packed is not None:
+        out, weights = packed
+    else:
+        mask = None
+        if kv_mask is not None:
+            mask = expand_heads(kv_mask, groups) if kv_mask.shape[1] > 1 else kv_mask
+            if base == "eager":
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    ~mask, torch.finfo(query.dtype).min
+                )
+        out, weights = fn(module, query, key, value, mask, **kwargs)
     layer.observe(
         module=module,
         query=query,

@@ -311,6 +311,7 @@ def test_bench_serving_dry_run_on_cpu(tmp_path, capsys):
     for r in rows.values():
         assert r["batch"] >= 1 and r["tok_s"] > 0 and r["length"] == 256
         assert r["fails_at"] is not None and r["fails_at"] > r["batch"]  # bracketed by real runs
+    assert {r["attention"] for r in rows.values()} == {"packed"}  # baselines decode like the budget modes
     assert rows["0.3"]["kv_bytes_per_seq"] < 0.5 * rows["static"]["kv_bytes_per_seq"]
     assert rows["0.3+int8"]["kv_bytes_per_seq"] < 0.5 * rows["0.3"]["kv_bytes_per_seq"]
     assert rows["0.3+int8"]["batch"] > rows["0.3"]["batch"] > rows["static"]["batch"]
@@ -332,7 +333,9 @@ def test_bench_serving_table_keeps_a_failed_search_out_of_the_ratios(capsys):
         {"length": 8, "mode": "0.3", "batch": 12, "fails_at": 14, "tok_s": 300.0, "ms_per_step": 40.0},
         {"length": 8, "mode": "0.3+int8", "batch": 1, "fails_at": 30, "tok_s": 20.0, "probes": 3},
     ]
-    args = argparse.Namespace(shape="tiny", dtype="float32", memory_gib=1.0, new_tokens=3, compile="none", policy="learned")
+    args = argparse.Namespace(
+        shape="tiny", dtype="float32", memory_gib=1.0, new_tokens=3, compile="none", policy="learned", attention="packed"
+    )
     bench_serving.print_table(rows, args)
     out = capsys.readouterr().out
     assert "| 8 | 0.3 | 0.0 | 12 | 14 | 40.0 | 300.0 | 3.00x |" in out  # against dynamic, not static's 500
