@@ -18,9 +18,11 @@ and time, meaningless text. Modes:
 Per length and mode: one sequence is prefilled (in chunks) and its cache (compressed, for the
 budget modes) replicated across the batch; then decode steps run at that batch. The batch is
 searched by really running it under the cap (`torch.cuda.set_per_process_memory_fraction`, so
-an allocation past the cap is an out-of-memory error): the first probe is the batch the measured
-per-sequence bytes predict, then up by 25% (or down by 15% from a failure) and bisection,
-`--probes` runs at most. A probe counts as fitting when its warm-up (compilation, graph capture)
+an allocation past the cap is an out-of-memory error): eager runs at batch 1 and 2 measure what
+one more sequence adds to the peak (its KV and the step's transients that grow with the batch;
+the KV bytes alone on a CPU dry run), the first compiled probe is the batch that predicts, then up
+by 25% (or down by 15% from a failure) and bisection, `--probes` runs at most (batch 1 counted,
+batch 2 not). A probe counts as fitting when its warm-up (compilation, graph capture)
 and timed steps all ran. Reported:
 the largest batch that ran, the smallest that did not (if probed), and the measured decode
 tokens/s at the largest (batch x steps / seconds), with the KV bytes per sequence.
@@ -242,8 +244,15 @@ def search(model, mode: str, ids, args, weights: int) -> dict:
             "probes": 1,
         }
     cap = args.memory_gib * 2**30
-    work = max(one["peak_bytes"] - weights - one["kv_bytes"], 0)  # activations, logits, graphs
-    guess = max(1, int((cap - weights - work) // max(one["kv_bytes_per_seq"], 1)))
+    # what one more sequence really costs at the peak: its KV plus the step's transients that grow
+    # with the batch (dequantized copies, attention outputs, logits), from a second eager run at
+    # batch 2; on a CPU dry run (no peak counter) the KV bytes alone
+    per_seq = one["kv_bytes_per_seq"]
+    two = probe(model, mode, ids, 2, args, compiled=False) if one["peak_bytes"] else None
+    if two is not None:
+        per_seq = max(per_seq, two["peak_bytes"] - one["peak_bytes"])
+    work = max(one["peak_bytes"] - weights - per_seq, 0)  # what does not grow with the batch
+    guess = max(1, int((cap - weights - work) // max(per_seq, 1)))
     best, lo, hi, probes = one, 1, None, 1
     batch = guess
     while probes < args.probes and (hi is None or hi - lo > 1):
@@ -262,7 +271,13 @@ def search(model, mode: str, ids, args, weights: int) -> dict:
             batch = (lo + hi) // 2
             if batch == lo:
                 break
-    return {**best, "fails_at": hi, "probes": probes, "batch_estimate": guess}
+    return {
+        **best,
+        "fails_at": hi,
+        "probes": probes,
+        "batch_estimate": guess,
+        "peak_bytes_per_seq": per_seq,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

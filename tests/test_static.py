@@ -341,3 +341,32 @@ def test_bench_serving_table_keeps_a_failed_search_out_of_the_ratios(capsys):
     assert "| 8 | 0.3 | 0.0 | 12 | 14 | 40.0 | 300.0 | 3.00x |" in out  # against dynamic, not static's 500
     assert "| 8 | 0.3+int8 | 0.0 | 1 | 30 | - | - (no batch > 1 ran in 3 probes) | - |" in out
     assert "| 8 | dynamic | 0.0 | 4 | 5 | 40.0 | 100.0 | 1.00x |" in out
+
+
+def test_bench_serving_search_sizes_the_batch_from_what_a_sequence_adds_to_the_peak(monkeypatch):
+    """The first compiled probe comes from the peak growth between eager batches 1 and 2 (KV plus
+    per-sequence transients), not from the KV bytes alone, which would overshoot and spend the
+    probes on out-of-memory runs (what happened to INT8 on the H200)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    import argparse
+
+    import bench_serving
+
+    gib = 2**30
+    weights, kv, transient = 15 * gib, gib, 3 * gib  # a step needs 4 GiB per sequence at its peak
+    tried = []
+
+    def fake_probe(model, mode, ids, batch, args, compiled=True):
+        tried.append((batch, compiled))
+        peak = weights + batch * (kv + transient)
+        if peak > args.memory_gib * gib:
+            return None
+        return {"mode": mode, "length": 8, "batch": batch, "kv_bytes_per_seq": kv,
+                "kv_bytes": batch * kv, "peak_bytes": peak, "tok_s": float(batch)}
+
+    monkeypatch.setattr(bench_serving, "probe", fake_probe)
+    args = argparse.Namespace(memory_gib=80.0, probes=3)
+    row = bench_serving.search(None, "0.3+int8", torch.zeros(1, 8), args, weights)
+    assert tried[:3] == [(1, False), (2, False), (16, True)]  # (80 - 15) GiB / 4 GiB
+    assert row["batch"] == 16 and row["batch_estimate"] == 16 and row["peak_bytes_per_seq"] == 4 * gib
+    assert row["fails_at"] == 20  # the next probe up (+25%) did not fit
