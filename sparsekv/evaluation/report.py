@@ -73,6 +73,15 @@ def _share(st: dict[str, Any], interval: bool = True) -> str:
     return text
 
 
+def _kl(st: dict[str, Any]) -> str:
+    """The mean KL over tasks with its 95% interval (`summary.mean_interval`) when it has one."""
+    text = _fmt(st["kl"])
+    lo, hi = st.get("kl_lo", float("nan")), st.get("kl_hi", float("nan"))
+    if text != "-" and not (math.isnan(lo) or math.isnan(hi)):
+        text += f" ({_fmt(lo)}-{_fmt(hi)})"
+    return text
+
+
 def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx: dict,
            computed: tuple[list[dict[str, Any]], list[str]] | None = None) -> list[str]:
     """Markdown lines of the at-a-glance table of one protocol and length (`glance_stats`, or
@@ -80,12 +89,12 @@ def glance(ss: list[dict[str, Any]], tasks: list[str], methods: list[tuple], idx
     stats, scored = computed if computed is not None else glance_stats(ss, tasks, methods, idx)
     if not stats:
         return []
-    rows = [[st["name"], _share(st), _fmt(st["kl"]), _fmt(st["kl_right"]), f"{st['lowest']}/{st['tasks_kl']}",
+    rows = [[st["name"], _share(st), _kl(st), _fmt(st["kl_right"]), f"{st['lowest']}/{st['tasks_kl']}",
              str(st["n"])] for st in stats]
     note = (f"Retrieval: accuracy as a share of the full cache's, averaged over {', '.join(scored)} "
             "(the question tasks the full cache answers at least once)" if scored else
             "Retrieval: - (the full cache answers none of the question tasks here)")
-    return ["At a glance:", "", _table(["method", "retrieval, share of full (95% interval)", "mean KL over tasks",
+    return ["At a glance:", "", _table(["method", "retrieval, share of full (95% interval)", "mean KL over tasks (95% interval)",
                                          "KL where the full cache is right", "lowest KL at its budget (tasks)",
                                          "samples"], rows), "",
             f"{note}; KL: mean over {', '.join(tasks)}; KL where the full cache is right: the mean over "
