@@ -81,7 +81,7 @@ def _as_if_compiled(monkeypatch):
 def test_decode_steps_read_each_kv_head_once_when_compiled(monkeypatch, layout):
     """SparseKVCache decode steps (evicting layers and the others) with transformers in its
     compiled branch: no key is repeated and the logits are the eager ones."""
-    model = tiny_model("llama", torch_dtype=torch.float64)
+    model = tiny_model("llama").to(torch.float64)
     ids = torch.randint(3, 120, (2, 48), generator=torch.Generator().manual_seed(1))
     cfg = EvictionConfig(
         budget=0.4,
@@ -114,7 +114,7 @@ def test_decode_steps_read_each_kv_head_once_when_compiled(monkeypatch, layout):
 def test_static_cache_baseline_through_sparsekv_sdpa_reads_each_kv_head_once(monkeypatch):
     """transformers' StaticCache (no evicting layer) under `sparsekv_sdpa`: the standard mask,
     the packed call, the logits of plain sdpa."""
-    model = tiny_model("llama", torch_dtype=torch.float64)
+    model = tiny_model("llama").to(torch.float64)
     ids = torch.randint(3, 120, (2, 20), generator=torch.Generator().manual_seed(2))
 
     def run():
