@@ -10,7 +10,8 @@ This module owns building the training corpus as JSONL records `{"text": ..., "s
   (`TEMPLATES`, disjoint from the evaluation's): a number ("passkey"), key-value lines ("kv"), a
   chain of assignments ("vars", multi-hop), ordinary words ("words"), UUID-like strings
   ("uuid"), two keys asked at once ("pairs"), the most frequent words of a block ("tally") and a
-  sentence of the prose quoted back ("quote"). Each ends with its question and answer, so the
+  sentence of the prose quoted back ("quote"), and several numbers filed under one key, all of
+  them asked ("multi"). Each ends with its question and answer, so the
   frozen model's attention from the answer back to the needle is part of the teacher signal.
 
 Everything is deterministic from `seed`. The module knows nothing about tokenizers or models;
@@ -41,7 +42,10 @@ from sparsekv import sources
 # The training side of the split: only families that sparsekv.sources marks "train" (the
 # evaluation reads the "eval" ones), checked at import.
 SOURCES = tuple(f.name for f in sources.families(split="train", kind="prose"))
-KINDS = ("passkey", "kv", "vars", "words", "uuid", "pairs", "tally", "quote")
+KINDS = ("passkey", "kv", "vars", "words", "uuid", "pairs", "tally", "quote", "multi")
+# What `kinds` defaults to: every kind but "multi", which came later; leaving it out of the
+# default keeps the corpus of every recorded run (and its checkpoint) byte-identical.
+DEFAULT_KINDS = KINDS[:-1]
 
 
 @dataclass
@@ -56,8 +60,9 @@ class BuildConfig:
     """Number of synthetic retrieval samples."""
     context_chars: int = 4000
     """Characters of prose around the needles of one synthetic sample (about 4 per token)."""
-    kinds: list[str] = field(default_factory=lambda: list(KINDS))
-    """Synthetic sample kinds to draw from: passkey, kv, vars, words, uuid, pairs, tally, quote."""
+    kinds: list[str] = field(default_factory=lambda: list(DEFAULT_KINDS))
+    """Synthetic sample kinds to draw from: passkey, kv, vars, words, uuid, pairs, tally, quote,
+    multi (default: all but multi)."""
     sources: list[str] = field(default_factory=lambda: list(SOURCES))
     """Prose sources: pydoc, docstrings, licenses."""
 
@@ -246,10 +251,21 @@ _QUOTE_TEMPLATES = (
     ('How does the sentence starting "{cue}" end?', "rest"),
     ("Finish the line from the document: {cue}", "rest"),
 )
+# Several numbers under one key, every one asked: (needle with {k}, {v}; question with {k};
+# answer with {k} and {vs}, the values in reading order).
+_MULTI_TEMPLATES = (
+    ("Batch {k} includes lot {v}.", "Which lots does batch {k} include?",
+     "Batch {k} includes lots {vs}."),
+    ("Sensor {k} logged a reading of {v}.", "List every reading that sensor {k} logged.",
+     "Sensor {k} logged {vs}."),
+    ("Room {k} was booked under reservation {v}.", "Which reservations were made for room {k}?",
+     "Room {k} has reservations {vs}."),
+)
 TEMPLATES: tuple[str, ...] = tuple(
     t
     for group in (_PASSKEY_TEMPLATES, _VAR_TEMPLATES, _WORD_TEMPLATES, _UUID_TEMPLATES,
-                  _PAIR_TEMPLATES, _TALLY_TEMPLATES, (_KV_TEMPLATE, _VAR_QUESTION))
+                  _PAIR_TEMPLATES, _TALLY_TEMPLATES, _MULTI_TEMPLATES,
+                  (_KV_TEMPLATE, _VAR_QUESTION))
     for row in group
     for t in row
 ) + tuple(q for q, _ in _QUOTE_TEMPLATES)
@@ -330,8 +346,26 @@ def _quote(rng: random.Random, context: str, vocab: tuple[str, ...]) -> tuple[st
     return context, question.format(cue=cue), sentence if mode == "all" else " ".join(words[6:])
 
 
+def _multi(rng: random.Random, context: str, vocab: tuple[str, ...]) -> tuple[str, str, str]:
+    """2-5 numbers filed under one key, one distracting number under another; all are asked."""
+    key, other = rng.sample(sorted({_train_key(rng) for _ in range(8)}), 2)
+    needle, question, answer = rng.choice(_MULTI_TEMPLATES)
+    digits = rng.randint(4, 7)
+    n, values = rng.randint(2, 5), []
+    while len(values) < n:
+        v = _digits(rng, digits)
+        if v not in values:
+            values.append(v)
+    depths = sorted(rng.random() for _ in values)  # reading order = the answer's order
+    lines = [needle.format(k=key, v=v) for v in values]
+    lines.append(needle.format(k=other, v=_digits(rng, digits)))
+    text = _insert(context, lines, [*depths, rng.random()])
+    return text, question.format(k=key), answer.format(k=key, vs=", ".join(values))
+
+
 _MAKERS = {"passkey": _passkey, "kv": _kv, "vars": _vars}
-_VOCAB_MAKERS = {"words": _words, "uuid": _uuid, "pairs": _pairs, "tally": _tally, "quote": _quote}
+_VOCAB_MAKERS = {"words": _words, "uuid": _uuid, "pairs": _pairs, "tally": _tally, "quote": _quote,
+                 "multi": _multi}
 
 
 

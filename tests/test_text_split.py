@@ -148,9 +148,9 @@ def test_training_needles_share_no_template_with_the_evaluation():
 
 
 def test_training_synthetic_kinds_cover_the_evaluation_value_types():
-    from data.build import BuildConfig, collect_prose, synthetic_samples
+    from data.build import KINDS, BuildConfig, collect_prose, synthetic_samples
 
-    cfg = BuildConfig(max_prose_chars=200_000, synthetic=80)
+    cfg = BuildConfig(max_prose_chars=200_000, synthetic=90, kinds=list(KINDS))
     records = synthetic_samples(cfg, [r["text"] for r in collect_prose(cfg)])
     kinds = {r["source"] for r in records}
     assert kinds == {f"synthetic:{k}" for k in cfg.kinds}
@@ -162,6 +162,12 @@ def test_training_synthetic_kinds_cover_the_evaluation_value_types():
             assert uuid_re.search(r["answer"]).group(0) in body
         if r["source"] == "synthetic:words":
             assert r["answer"].rstrip(".").split()[-1].strip("'") in body
+        if r["source"] == "synthetic:multi":  # every value asked sits in the body, in order
+            values = re.findall(r"\d{4,7}", r["answer"])
+            assert 2 <= len(values) <= 5
+            at = [body.index(v) for v in values]
+            assert at == sorted(at)
+            assert len(re.findall(r"\b\d{4,7}\b", body)) >= len(values) + 1  # + a distractor
 
 
 def test_wiki_markup_and_procedures_are_cleaned():

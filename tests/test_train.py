@@ -678,7 +678,8 @@ def test_training_needles_never_use_the_evaluation_wording():
     or passkey accuracy would partly measure memorisation of one sentence."""
     from data.build import KINDS, BuildConfig, build
 
-    synth = [r for r in build(BuildConfig(seed=3, max_prose_chars=20_000, synthetic=60, context_chars=300))
+    synth = [r for r in build(BuildConfig(seed=3, max_prose_chars=20_000, synthetic=60,
+                                          context_chars=300, kinds=list(KINDS)))
              if r["source"].startswith("synthetic")]
     assert {r["source"] for r in synth} == {f"synthetic:{k}" for k in KINDS}  # seed 3 covers all
     for phrase in ("pass key", "Remember it.", "special magic number", "VAR "):
