@@ -370,6 +370,8 @@ class ScorerAdapter:
             hashlib.sha256(b"sparsekv-adapter-fingerprint/1\n"), self.head.state_dict()
         )
         settings = {k: getattr(self.config, k) for k in POLICY_DEFAULTS}
+        if not settings["span_fill"]:  # a later setting: off, it leaves earlier fingerprints as they were
+            del settings["span_fill"]
         h.update(json.dumps(settings, sort_keys=True).encode())
         if self.lora is not None:
             h.update(b"lora\n")

@@ -20,7 +20,7 @@ Format 2 (written by this version), a folder of:
   that `peft.PeftModel.from_pretrained(base_model, "<folder>/lora")` loads on its own.
 
 `uses` maps a use name to the learned-policy settings (`recency`, `kernel_size`, `blend`,
-`blend_mode`, `head_layer`) that serve it (the "aware" entry complete, the others the keys they
+`blend_mode`, `head_layer`, and `span_fill` where it is not 0) that serve it (the "aware" entry complete, the others the keys they
 set, the rest following "aware"): `"aware"` (the question is in the prompt
 when the cache is compressed; the defaults, what `attach(model)` applies), `"agnostic"` (a
 context compressed before its question; a fresh adapter records `blend=0, kernel_size=9`) and
@@ -192,6 +192,12 @@ class AdapterConfig:
     """Which head scores each budgeted layer in the learned policy: "own" (its own module on its
     own attention inputs) or "first" (the first budgeted layer's module, once per token, shared
     by all budgeted layers)."""
+    span_fill: int = 0
+    """Gap filling the learned policy applies after the max-pooling (`sparsekv.policies.base.
+    fill_spans`): a token between two high-scoring tokens, each within `span_fill` positions,
+    scores as high as the lower of them, so a run such as a UUID is kept whole. 0 = off. Written
+    to `config.json` only when set, so adapters that do not use it stay readable by sparsekv
+    0.1.0."""
     uses: dict[str, dict[str, Any]] = field(
         default_factory=lambda: json.loads(json.dumps(DEFAULT_USES))
     )
@@ -293,7 +299,10 @@ class AdapterConfig:
         for k in POLICY_DEFAULTS:
             d.pop(k)
         uses = check_uses(self.uses, self.settings("aware"))  # refuses "aware" among them
-        d["uses"] = {"aware": self.settings("aware"), **uses}
+        aware = self.settings("aware")
+        if not aware["span_fill"]:  # added later: absent = 0, so older readers still load it
+            del aware["span_fill"]
+        d["uses"] = {"aware": aware, **uses}
         return {TYPE_KEY: TYPE_TAG, "format_version": FORMAT_VERSION, **d}
 
     @classmethod

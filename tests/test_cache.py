@@ -540,6 +540,50 @@ def test_learned_kernel_size_keeps_the_neighbours_of_a_flagged_token():
         policies.get("learned", adapter=Fixed(), kernel_size=4)
 
 
+def test_fill_spans_fills_gaps_between_high_scores_and_leaves_the_flanks():
+    from sparsekv.policies.base import fill_spans
+
+    x = torch.tensor([[[0.0, 5, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 3, 0]]])
+    # reach 4: the gap 1..5 (both ends within 4) is raised to the lower end (4); 8-9 see 4 on
+    # the left within 4 and 3 on the right within 4; 6-7 and 10-11 have a side without a peak
+    assert fill_spans(x, 4)[0, 0].tolist() == [0, 5, 4, 4, 4, 4, 0, 0, 3, 3, 0, 0, 3, 0]
+    assert fill_spans(x, 8)[0, 0].tolist() == [0, 5, 4, 4, 4, 4, 3, 3, 3, 3, 3, 3, 3, 0]
+    assert torch.equal(fill_spans(x, 0), x) and torch.equal(fill_spans(x, 1), x)  # no gap of 0
+    # -inf stays -inf at the ends (nothing on one side), batch and heads are independent
+    y = torch.tensor([[[float("-inf"), 1.0, float("-inf"), 2.0]], [[2.0, 0.0, 0.0, 1.0]]])
+    assert fill_spans(y, 2).tolist() == [[[float("-inf"), 1.0, 1.0, 2.0]], [[2.0, 1.0, 1.0, 1.0]]]
+
+
+def test_learned_span_fill_keeps_a_run_whose_ends_the_head_flags():
+    from sparsekv.policies.base import ScoreContext
+
+    n = 40
+    prior = -torch.arange(n, dtype=torch.float32).view(1, 1, n) / 100  # mild preference for early
+    prior[..., 10] = prior[..., 30] = 5.0  # the two ends of a 21-token run (a UUID, say)
+
+    class Fixed:
+        def score_layer(self, layer_idx, hidden_states):
+            return prior.clone()
+
+    ctx = ScoreContext(layer_idx=0, phase="prefill", keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4),
+                       positions=torch.arange(n).view(1, 1, n), num_new=n, tokens_seen=n,
+                       hidden_states=torch.zeros(1, n, 8))
+    run = set(range(10, 31))
+    plain = policies.get("learned", adapter=Fixed()).score(ctx)
+    filled = policies.get("learned", adapter=Fixed(), span_fill=20).score(ctx)
+    assert not run <= set(plain[0, 0].topk(21).indices.tolist())  # the head alone keeps the ends
+    assert set(filled[0, 0].topk(21).indices.tolist()) == run
+    assert filled[..., :10].max() < 1 and filled[..., 31:].max() < 1  # outside the run: background
+    # each token of the run needs a flagged end within `span_fill` on both sides: 16 leaves the
+    # three tokens next to each end (more than 16 from the other end) as they were
+    short = policies.get("learned", adapter=Fixed(), span_fill=16).score(ctx)
+    assert set(short[0, 0].topk(15).indices.tolist()) == {10, 30, *range(14, 27)}
+    assert short[..., 11:14].max() < 1
+    for bad in (-1, 1.5, True, 5000):
+        with pytest.raises(ValueError, match="span_fill"):
+            policies.get("learned", adapter=Fixed(), span_fill=bad)
+
+
 def test_learned_head_layer_first_scores_every_layer_from_the_first_layers_inputs():
     from types import SimpleNamespace
 

@@ -44,7 +44,7 @@ import torch
 from sparsekv.config import check_kernel_size
 
 __all__ = ["Policy", "ScoreContext", "available", "check_int", "check_kernel_size", "check_number",
-           "get", "max_pool_seq", "register"]
+           "fill_spans", "get", "max_pool_seq", "register"]
 
 
 @dataclass
@@ -86,6 +86,24 @@ def max_pool_seq(x: torch.Tensor, kernel_size: int) -> torch.Tensor:
 
     b, h, n = x.shape
     return F.max_pool1d(x.reshape(b * h, 1, n), kernel_size, stride=1, padding=kernel_size // 2).reshape(b, h, n)
+
+
+def fill_spans(x: torch.Tensor, reach: int) -> torch.Tensor:
+    """Fill the gaps between high scores along the last axis of `(batch, heads, seq)`: each entry
+    is raised to the lower of the best score among the `reach` entries before it and the best
+    among the `reach` entries after it (a morphological closing). A run of tokens whose two ends
+    the scorer ranks high (a UUID, a quoted clause) then scores as high as its weaker end, so it
+    is kept or dropped whole, while tokens beyond the last high one keep their own scores (unlike
+    a wider `max_pool_seq`, which raises both flanks of every high token). 0 = unchanged."""
+    if reach <= 0 or x.shape[-1] < 3:
+        return x
+    import torch.nn.functional as F
+
+    b, h, n = x.shape
+    y = x.reshape(b * h, 1, n)
+    before = F.max_pool1d(F.pad(y, (reach, 0), value=float("-inf")), reach, stride=1)[..., :n]
+    after = F.max_pool1d(F.pad(y, (0, reach), value=float("-inf")), reach, stride=1)[..., 1 : n + 1]
+    return torch.maximum(y, torch.minimum(before, after)).reshape(b, h, n)
 
 
 def check_int(name: str, value: Any, minimum: int | None = None) -> int:
