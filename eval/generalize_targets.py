@@ -158,8 +158,11 @@ def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("**met**" if ok else "**missed**")
 
 
-def judge(grid: Grid, budget: float) -> tuple[list[str], dict[str, Any]]:
-    """The markdown lines and a dict of verdicts (for tests and notes)."""
+def judge(grid: Grid, budget: float, learned: str = LEARNED) -> tuple[list[str], dict[str, Any]]:
+    """The markdown lines and a dict of verdicts (for tests and notes). `learned`: the label of the
+    method judged as the learned head (another setting of it, in a follow-up grid). A section
+    whose methods the grid does not hold (aware rows, KVzip, the LoRA row) is left out."""
+    LEARNED = learned  # noqa: N806 (the module constant's name, rebound to the judged label)
     out: list[str] = []
     verdicts: dict[str, Any] = {}
     fams = grid.answer_tasks()
@@ -185,7 +188,8 @@ def judge(grid: Grid, budget: float) -> tuple[list[str], dict[str, Any]]:
                f"(point estimate) on every family the full cache answers at least {SHARE_FLOOR:.0%} of "
                "the time. Intervals: paired bootstrap over the family's prompts.")
     out.append("")
-    cols = [LEARNED, LORA, KVZIP, KVZAP, "expected_attention", "tova", "snapkv"]
+    others = [m for m in grid.methods("agnostic") if m.startswith("learned") and m not in (LEARNED, LORA)]
+    cols = [LEARNED, LORA, *others, KVZIP, KVZAP, "expected_attention", "tova", "snapkv"]
     cols = [c for c in cols if c in grid.methods("agnostic")]
     out.append("| family | full | " + " | ".join(cols) + " | counts for the target |")
     out.append("|---|---|" + "---|" * len(cols) + "---|")
@@ -242,6 +246,8 @@ def judge(grid: Grid, budget: float) -> tuple[list[str], dict[str, Any]]:
     out.append("")
 
     # ---------------------------------------------------------------- issue 15 (c): aware
+    if LEARNED not in grid.methods("aware"):
+        return out, verdicts
     out.append("## Issue 15: aware, the learned head against the best of SnapKV and PyramidKV per family")
     out.append("")
     out.append("Accuracy per family; the difference is learned minus the better rival on the same prompts "
@@ -278,6 +284,8 @@ def judge(grid: Grid, budget: float) -> tuple[list[str], dict[str, Any]]:
     out.append("")
 
     # ---------------------------------------------------------------- issue 17: against KVzip
+    if KVZIP not in grid.methods("agnostic"):
+        return out, verdicts
     out.append(f"## Issue 17: agnostic at budget {budget}, the learned head against KVzip")
     out.append("")
     out.append("Target: accuracy averaged over the task families at least KVzip's (paired, interval "
@@ -341,12 +349,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="docs/results/generalize-4k", help="the grid's results folder")
     p.add_argument("--budget", type=float, default=0.3, help="the targets' budget (issues: 0.3)")
+    p.add_argument("--learned", default=LEARNED,
+                   help="label of the method judged as the learned head (default: %(default)s)")
     args = p.parse_args(argv)
     folder = Path(args.out)
     grid = Grid(read_rows(folder))
     if args.budget not in {k[2] for k in grid.cells}:
         raise SystemExit(f"--budget {args.budget}: no rows at that budget in {folder}")
-    lines, _ = judge(grid, args.budget)
+    if args.learned not in grid.methods("agnostic"):
+        raise SystemExit(f"--learned {args.learned!r}: no agnostic rows of that label in {folder}; "
+                         f"labels: {', '.join(grid.methods('agnostic'))}")
+    lines, _ = judge(grid, args.budget, args.learned)
     cfg_path = folder / "config.yaml"
     cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else {}
     asked, cfg_seed = cfg.get("samples"), cfg.get("seed")
@@ -354,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     head = [
         f"# Targets of the report grid ({folder.as_posix()})",
         "",
-        (f"`python eval/generalize_targets.py --out {folder.as_posix()} --budget {args.budget}`; "
+        (f"`python eval/generalize_targets.py --out {folder.as_posix()} --budget {args.budget}"
+         + (f" --learned '{args.learned}'" if args.learned != LEARNED else "") + "`; "
          f"seed {cfg_seed}; default model (the Q4_K_M GGUF of gemma-3-270m, dequantized)."),
         "",
     ]

@@ -85,3 +85,28 @@ def test_main_writes_targets(tmp_path):
     assert "Provisional: 4 of 30 samples" in text and "seed 7" in text
     with pytest.raises(SystemExit, match="--budget 0.5"):
         T.main(["--out", str(tmp_path), "--budget", "0.5"])
+
+
+def test_another_setting_of_the_head_is_judged_by_its_label(tmp_path):
+    """A follow-up grid (agnostic only, two settings of the head, no peers): `--learned` names the
+    judged one; the sections whose methods are absent (aware, KVzip, LoRA) are left out."""
+    rows = []
+    for i in range(4):
+        for task in ("uuidkey", "ppl"):
+            rows.append(_row(task, "agnostic", "full", 1.0, i, 1.0, kl=0.0))
+            rows.append(_row(task, "agnostic", "learned", 0.3, i, 1.0 if i == 0 else 0.0, kl=0.4))
+            rows.append(_row(task, "agnostic", "learned, fill 16", 0.3, i, 1.0 if i < 3 else 0.0, kl=0.2))
+    grid = T.Grid(rows)
+    lines, v = T.judge(grid, 0.3, "learned, fill 16")
+    assert v["15_share"] is False and v["15_share_missed"] == [("uuidkey", 0.75)]
+    assert v["15_kl"] is True and "15_aware_0.3" not in v and "17_mean" not in v
+    assert any(line.startswith("| uuidkey | 100% | 75%") and "| 25%" in line for line in lines)
+    _, v = T.judge(grid, 0.3)  # the shipped settings: 1 of 4, and the higher KL
+    assert v["15_share_missed"] == [("uuidkey", 0.25)] and v["15_kl"] is False
+    out = tmp_path / "g"
+    out.mkdir()
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert T.main(["--out", str(out), "--learned", "learned, fill 16"]) == 0
+    assert "--learned 'learned, fill 16'" in (out / "targets.md").read_text()
+    with pytest.raises(SystemExit, match="labels: learned, learned, fill 16"):
+        T.main(["--out", str(out), "--learned", "learned, fill 99"])
