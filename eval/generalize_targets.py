@@ -162,7 +162,7 @@ def judge(grid: Grid, budget: float, learned: str = LEARNED) -> tuple[list[str],
     """The markdown lines and a dict of verdicts (for tests and notes). `learned`: the label of the
     method judged as the learned head (another setting of it, in a follow-up grid). A section
     whose methods the grid does not hold (aware rows, KVzip, the LoRA row) is left out."""
-    LEARNED = learned  # noqa: N806 (the module constant's name, rebound to the judged label)
+    LEARNED = learned  # the module constant's name, rebound to the judged label
     out: list[str] = []
     verdicts: dict[str, Any] = {}
     fams = grid.answer_tasks()

@@ -33,7 +33,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from sparsekv.config import BLEND_MODES, HEAD_LAYERS, LEARNED_FALLBACK, check_learned_settings
-from sparsekv.policies.base import Policy, ScoreContext, check_int, fill_spans, max_pool_seq, register
+from sparsekv.policies.base import (
+    Policy,
+    ScoreContext,
+    check_int,
+    fill_spans,
+    max_pool_seq,
+    register,
+)
 
 __all__ = [
     "BLEND_MODES",
