@@ -68,7 +68,7 @@ from sparsekv.adapter_format import (
 )
 from sparsekv.adapter_lora import LoraWeights, apply_lora, as_lora
 from sparsekv.cache import SparseKVCache
-from sparsekv.config import EvictionConfig
+from sparsekv.config import LATER_SETTINGS, EvictionConfig
 from sparsekv.families import ModelShape, model_shape, text_config
 from sparsekv.policies import get as get_policy
 from sparsekv.policies.learned import LearnedPolicy, set_scorer_loader
@@ -370,8 +370,9 @@ class ScorerAdapter:
             hashlib.sha256(b"sparsekv-adapter-fingerprint/1\n"), self.head.state_dict()
         )
         settings = {k: getattr(self.config, k) for k in POLICY_DEFAULTS}
-        if not settings["span_fill"]:  # a later setting: off, it leaves earlier fingerprints as they were
-            del settings["span_fill"]
+        for k, off in LATER_SETTINGS.items():  # off, they leave earlier fingerprints as they were
+            if settings[k] == off:
+                del settings[k]
         h.update(json.dumps(settings, sort_keys=True).encode())
         if self.lora is not None:
             h.update(b"lora\n")

@@ -20,7 +20,7 @@ Format 2 (written by this version), a folder of:
   that `peft.PeftModel.from_pretrained(base_model, "<folder>/lora")` loads on its own.
 
 `uses` maps a use name to the learned-policy settings (`recency`, `kernel_size`, `blend`,
-`blend_mode`, `head_layer`, and `span_fill` where it is not 0) that serve it (the "aware" entry complete, the others the keys they
+`blend_mode`, `head_layer`, and `span_fill` / `span_peaks` where they are not 0) that serve it (the "aware" entry complete, the others the keys they
 set, the rest following "aware"): `"aware"` (the question is in the prompt
 when the cache is compressed; the defaults, what `attach(model)` applies), `"agnostic"` (a
 context compressed before its question; a fresh adapter records `blend=0, kernel_size=9`) and
@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from sparsekv.config import LEARNED_SETTINGS, check_learned_settings
+from sparsekv.config import LATER_SETTINGS, LEARNED_SETTINGS, check_learned_settings
 from sparsekv.scorer import KINDS, GatingHead
 from sparsekv.teacher import TargetConfig
 
@@ -198,6 +198,11 @@ class AdapterConfig:
     scores as high as the lower of them, so a run such as a UUID is kept whole. 0 = off. Written
     to `config.json` only when set, so adapters that do not use it stay readable by sparsekv
     0.1.0."""
+    span_peaks: float = 0.0
+    """With `span_fill`: only tokens at or above this quantile of the scores entering together
+    count as the ends of a gap to fill (0 = every token), so that runs between strongly flagged
+    tokens (a needle) are filled and the ordinary ups and downs of prose are left alone. Written
+    only when set, like `span_fill`."""
     uses: dict[str, dict[str, Any]] = field(
         default_factory=lambda: json.loads(json.dumps(DEFAULT_USES))
     )
@@ -300,8 +305,9 @@ class AdapterConfig:
             d.pop(k)
         uses = check_uses(self.uses, self.settings("aware"))  # refuses "aware" among them
         aware = self.settings("aware")
-        if not aware["span_fill"]:  # added later: absent = 0, so older readers still load it
-            del aware["span_fill"]
+        for k, off in LATER_SETTINGS.items():  # absent = off, so older readers still load it
+            if aware[k] == off:
+                del aware[k]
         d["uses"] = {"aware": aware, **uses}
         return {TYPE_KEY: TYPE_TAG, "format_version": FORMAT_VERSION, **d}
 

@@ -17,7 +17,9 @@ QUANTIZE = (None, "int8")
 LAYOUTS = ("dynamic", "static")
 BLEND_MODES = ("mix", "max")
 HEAD_LAYERS = ("own", "first")
-LEARNED_SETTINGS = ("recency", "kernel_size", "blend", "blend_mode", "head_layer", "span_fill")
+LEARNED_SETTINGS = (
+    "recency", "kernel_size", "blend", "blend_mode", "head_layer", "span_fill", "span_peaks"
+)
 """The learned policy's scoring settings, which an adapter records per use (they do not change
 training)."""
 LEARNED_FALLBACK = {
@@ -27,8 +29,12 @@ LEARNED_FALLBACK = {
     "blend_mode": "mix",
     "head_layer": "own",
     "span_fill": 0,
+    "span_peaks": 0.0,
 }
 """The settings of a learned policy whose scorer records none."""
+LATER_SETTINGS = {"span_fill": 0, "span_peaks": 0.0}
+"""Settings added after the first adapters were written (which lack them), with the value that
+leaves the policy as it was: an adapter records them only when they differ from it."""
 
 
 def _is_number(x: Any) -> bool:
@@ -48,11 +54,12 @@ def check_kernel_size(kernel_size: Any, name: str = "kernel_size") -> int:
 
 
 def check_learned_settings(
-    blend: Any, blend_mode: Any, recency: Any, kernel_size: Any, head_layer: Any, span_fill: Any = 0
+    blend: Any, blend_mode: Any, recency: Any, kernel_size: Any, head_layer: Any,
+    span_fill: Any = 0, span_peaks: Any = 0.0,
 ) -> dict:
     """The learned policy's settings checked (shared by the policy and the adapter config, which
-    records them per use); returns them normalized (`blend`, `recency` as float). `span_fill`
-    (an int >= 0, 0 = off) was added after the first adapters were written, which lack it."""
+    records them per use); returns them normalized (`blend`, `recency`, `span_peaks` as float).
+    `span_fill` (an int >= 0, 0 = off) and `span_peaks` (in [0, 1)) came later (`LATER_SETTINGS`)."""
     if not _is_number(blend) or not (0.0 <= blend <= 1.0):
         raise ValueError(f"blend={blend!r} must be a number in [0, 1]")
     if blend_mode not in BLEND_MODES:
@@ -72,6 +79,7 @@ def check_learned_settings(
         "kernel_size": check_kernel_size(kernel_size),
         "head_layer": head_layer,
         "span_fill": _check_span_fill(span_fill),
+        "span_peaks": _check_span_peaks(span_peaks),
     }
 
 
@@ -79,6 +87,14 @@ def _check_span_fill(span_fill: Any) -> int:
     if isinstance(span_fill, bool) or not isinstance(span_fill, int) or not 0 <= span_fill <= 4096:
         raise ValueError(f"span_fill={span_fill!r} must be an int in [0, 4096] (tokens; 0 = off)")
     return span_fill
+
+
+def _check_span_peaks(span_peaks: Any) -> float:
+    if not _is_number(span_peaks) or not 0.0 <= span_peaks < 1.0:
+        raise ValueError(
+            f"span_peaks={span_peaks!r} must be a number in [0, 1) (a quantile; 0 = every token)"
+        )
+    return float(span_peaks)
 
 
 @dataclass

@@ -552,6 +552,11 @@ def test_fill_spans_fills_gaps_between_high_scores_and_leaves_the_flanks():
     # -inf stays -inf at the ends (nothing on one side), batch and heads are independent
     y = torch.tensor([[[float("-inf"), 1.0, float("-inf"), 2.0]], [[2.0, 0.0, 0.0, 1.0]]])
     assert fill_spans(y, 2).tolist() == [[[float("-inf"), 1.0, 1.0, 2.0]], [[2.0, 1.0, 1.0, 1.0]]]
+    # peaks: only entries at or above the row's quantile are gap ends; the small bumps of the tail
+    # (1, 0, 1) are left alone at 0.85 and filled without it
+    z = torch.tensor([[[0.0, 5, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 3, 0, 1, 0, 1, 0]]])
+    assert fill_spans(z, 4)[0, 0, 13:].tolist() == [1, 1, 1, 1, 0]
+    assert fill_spans(z, 4, peaks=0.85)[0, 0].tolist() == [0, 5, 4, 4, 4, 4, 0, 0, 3, 3, 0, 0, 3, 0, 1, 0, 1, 0]
 
 
 def test_learned_span_fill_keeps_a_run_whose_ends_the_head_flags():
@@ -582,6 +587,9 @@ def test_learned_span_fill_keeps_a_run_whose_ends_the_head_flags():
     for bad in (-1, 1.5, True, 5000):
         with pytest.raises(ValueError, match="span_fill"):
             policies.get("learned", adapter=Fixed(), span_fill=bad)
+    for bad in (-0.1, 1.0, "0.9", True):
+        with pytest.raises(ValueError, match="span_peaks"):
+            policies.get("learned", adapter=Fixed(), span_fill=16, span_peaks=bad)
 
 
 def test_learned_head_layer_first_scores_every_layer_from_the_first_layers_inputs():

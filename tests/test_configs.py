@@ -153,7 +153,7 @@ def test_kvzap_config_is_kvzaps_recipe():
         "recency": 0.0,
     }
     # none of our tricks in the agnostic use either: no span filling (the default, 0)
-    assert cfg.inference_uses()["agnostic"] == {**cfg.inference_kwargs(), "span_fill": 0}
+    assert cfg.inference_uses()["agnostic"] == {**cfg.inference_kwargs(), "span_fill": 0, "span_peaks": 0.0}
     assert cfg.dataset == "data/train-kvzap.jsonl"
 
 

@@ -88,21 +88,29 @@ def max_pool_seq(x: torch.Tensor, kernel_size: int) -> torch.Tensor:
     return F.max_pool1d(x.reshape(b * h, 1, n), kernel_size, stride=1, padding=kernel_size // 2).reshape(b, h, n)
 
 
-def fill_spans(x: torch.Tensor, reach: int) -> torch.Tensor:
+def fill_spans(x: torch.Tensor, reach: int, peaks: float = 0.0) -> torch.Tensor:
     """Fill the gaps between high scores along the last axis of `(batch, heads, seq)`: each entry
     is raised to the lower of the best score among the `reach` entries before it and the best
     among the `reach` entries after it (a morphological closing). A run of tokens whose two ends
     the scorer ranks high (a UUID, a quoted clause) then scores as high as its weaker end, so it
     is kept or dropped whole, while tokens beyond the last high one keep their own scores (unlike
-    a wider `max_pool_seq`, which raises both flanks of every high token). 0 = unchanged."""
+    a wider `max_pool_seq`, which raises both flanks of every high token). 0 = unchanged.
+    `peaks` in [0, 1): only entries at or above that quantile of their row's finite scores count
+    as the ends of a gap (0 = every entry)."""
     if reach <= 0 or x.shape[-1] < 3:
         return x
     import torch.nn.functional as F
 
     b, h, n = x.shape
     y = x.reshape(b * h, 1, n)
-    before = F.max_pool1d(F.pad(y, (reach, 0), value=float("-inf")), reach, stride=1)[..., :n]
-    after = F.max_pool1d(F.pad(y, (0, reach), value=float("-inf")), reach, stride=1)[..., 1 : n + 1]
+    if peaks > 0:
+        finite = torch.isfinite(y)
+        cut = torch.nanquantile(torch.where(finite, y, float("nan")).float(), peaks, dim=-1, keepdim=True)
+        ends = torch.where(finite & (y >= cut.to(y.dtype)), y, float("-inf"))
+    else:
+        ends = y
+    before = F.max_pool1d(F.pad(ends, (reach, 0), value=float("-inf")), reach, stride=1)[..., :n]
+    after = F.max_pool1d(F.pad(ends, (0, reach), value=float("-inf")), reach, stride=1)[..., 1 : n + 1]
     return torch.maximum(y, torch.minimum(before, after)).reshape(b, h, n)
 
 

@@ -108,13 +108,14 @@ class LearnedPolicy(Policy):
         head_layer: str | None = None,
         use: str | None = None,
         span_fill: int | None = None,
+        span_peaks: float | None = None,
     ):
         """`adapter`: a `ScorerAdapter`, a folder or Hub id to load one from, or any `LayerScorer`
         (`score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`).
         `use`: which of the adapter's recorded uses supplies the unset settings ("aware" when
         None; see `ScorerAdapter.settings`); a plain scorer without recorded settings takes 0,
         "mix", 0, 1, "own" and 0 for `blend`, `blend_mode`, `recency`, `kernel_size`,
-        `head_layer`, `span_fill`.
+        `head_layer`, `span_fill`, `span_peaks`.
         `head_layer`: "own" (each budgeted layer's head reads that layer's attention inputs) or
         "first" (the first budgeted layer's head scores each token once, from that layer's
         inputs, and every budgeted layer uses that score: one cross-layer importance per token).
@@ -124,7 +125,9 @@ class LearnedPolicy(Policy):
         by blending is pooled the same way. `span_fill` (int >= 0, 0 = off): then the gaps between
         high scores are filled (`fill_spans`): a token with a high-scoring token within
         `span_fill` positions on each side scores as high as the lower of the two, so a run whose
-        ends the head ranks high (a UUID of 36 tokens, a clause) is kept whole. `window`: the
+        ends the head ranks high (a UUID of 36 tokens, a clause) is kept whole; with `span_peaks`
+        (a quantile in [0, 1), 0 = every token) only tokens at or above that quantile of the
+        chunk's scores count as ends. `window`: the
         observation window (queries) read when blending."""
         if isinstance(adapter, str):
             if not adapter:
@@ -150,6 +153,7 @@ class LearnedPolicy(Policy):
             "kernel_size": kernel_size,
             "head_layer": head_layer,
             "span_fill": span_fill,
+            "span_peaks": span_peaks,
         }
         settings = check_learned_settings(
             **{k: recorded[k] if v is None else v for k, v in given.items()}
@@ -159,7 +163,7 @@ class LearnedPolicy(Policy):
         self.blend, self.blend_mode = settings["blend"], settings["blend_mode"]
         self.recency, self.kernel_size = settings["recency"], settings["kernel_size"]
         self.head_layer = settings["head_layer"]
-        self.span_fill = settings["span_fill"]
+        self.span_fill, self.span_peaks = settings["span_fill"], settings["span_peaks"]
         self.hidden_from_first = self.head_layer == "first"
         # the head that scores the tokens of a budgeted layer: its own, or the first layer's
         self._first_layer = self._adapter_first_layer() if self.hidden_from_first else None
@@ -179,7 +183,8 @@ class LearnedPolicy(Policy):
         return (
             f"LearnedPolicy(blend={self.blend:g}, blend_mode={self.blend_mode!r}, "
             f"kernel_size={self.kernel_size}, recency={self.recency:g}, "
-            f"head_layer={self.head_layer!r}, span_fill={self.span_fill})"
+            f"head_layer={self.head_layer!r}, span_fill={self.span_fill}, "
+            f"span_peaks={self.span_peaks:g})"
         )
 
     def _adapter_first_layer(self) -> int:
@@ -195,7 +200,7 @@ class LearnedPolicy(Policy):
             new = self.adapter.score_layer(layer, ctx.hidden_states).to(
                 out.dtype
             )  # (b, kv_heads, new)
-            new = fill_spans(max_pool_seq(new, self.kernel_size), self.span_fill)
+            new = fill_spans(max_pool_seq(new, self.kernel_size), self.span_fill, self.span_peaks)
             if self.recency:
                 pos = ctx.positions[..., -ctx.num_new :].to(out.dtype)
                 new = new + self.recency / 1000.0 * pos
