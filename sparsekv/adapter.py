@@ -439,7 +439,7 @@ class ScorerAdapter:
         (closed after the call). `use` ("aware" by default, "agnostic" for a context compressed
         before its question, "decode" when recorded) picks the recorded settings; keyword
         arguments named in `POLICY_DEFAULTS` (`blend`, `blend_mode`, `kernel_size`, `recency`,
-        `head_layer`) override them, the others go to `EvictionConfig`. When the adapter carries
+        `head_layer`, `span_fill`, `span_peaks`) override them, the others go to `EvictionConfig`. When the adapter carries
         a LoRA and `lora` is True, it is injected into the model for the block and removed on
         exit. A call that passes its own `cache=` (or `past_key_values=`) is left alone. On exit
         `model.generate`, the LoRA and the model's attention implementation are restored, also
