@@ -68,7 +68,7 @@ from sparsekv.adapter_format import (
 )
 from sparsekv.adapter_lora import LoraWeights, apply_lora, as_lora
 from sparsekv.cache import SparseKVCache
-from sparsekv.config import LATER_SETTINGS, EvictionConfig
+from sparsekv.config import EvictionConfig, without_later_defaults
 from sparsekv.families import ModelShape, model_shape, text_config
 from sparsekv.policies import get as get_policy
 from sparsekv.policies.learned import LearnedPolicy, set_scorer_loader
@@ -369,10 +369,7 @@ class ScorerAdapter:
         h = hash_tensors(
             hashlib.sha256(b"sparsekv-adapter-fingerprint/1\n"), self.head.state_dict()
         )
-        settings = {k: getattr(self.config, k) for k in POLICY_DEFAULTS}
-        for k, off in LATER_SETTINGS.items():  # off, they leave earlier fingerprints as they were
-            if settings[k] == off:
-                del settings[k]
+        settings = without_later_defaults({k: getattr(self.config, k) for k in POLICY_DEFAULTS})
         h.update(json.dumps(settings, sort_keys=True).encode())
         if self.lora is not None:
             h.update(b"lora\n")
@@ -439,9 +436,9 @@ class ScorerAdapter:
         (closed after the call). `use` ("aware" by default, "agnostic" for a context compressed
         before its question, "decode" when recorded) picks the recorded settings; keyword
         arguments named in `POLICY_DEFAULTS` (`blend`, `blend_mode`, `kernel_size`, `recency`,
-        `head_layer`, `span_fill`, `span_peaks`) override them, the others go to `EvictionConfig`. When the adapter carries
-        a LoRA and `lora` is True, it is injected into the model for the block and removed on
-        exit. A call that passes its own `cache=` (or `past_key_values=`) is left alone. On exit
+        `head_layer`, `span_fill`, `span_peaks`) override them, the others go to
+        `EvictionConfig`. When the adapter carries a LoRA and `lora` is True, it is injected into
+        the model for the block and removed on exit. A call that passes its own `cache=` (or `past_key_values=`) is left alone. On exit
         `model.generate`, the LoRA and the model's attention implementation are restored, also
         after an error. Yields an `Attachment` (its `last_cache` is the most recent call's
         cache, for `kv_bytes()` and friends)."""

@@ -20,9 +20,10 @@ Format 2 (written by this version), a folder of:
   that `peft.PeftModel.from_pretrained(base_model, "<folder>/lora")` loads on its own.
 
 `uses` maps a use name to the learned-policy settings (`recency`, `kernel_size`, `blend`,
-`blend_mode`, `head_layer`, and `span_fill` / `span_peaks` where they are not 0) that serve it (the "aware" entry complete, the others the keys they
-set, the rest following "aware"): `"aware"` (the question is in the prompt
-when the cache is compressed; the defaults, what `attach(model)` applies), `"agnostic"` (a
+`blend_mode`, `head_layer`, and `span_fill` / `span_peaks` where they are not 0) that serve it
+(the "aware" entry complete, the others the keys they set, the rest following "aware"):
+`"aware"` (the question is in the prompt when the cache is compressed; the defaults, what
+`attach(model)` applies), `"agnostic"` (a
 context compressed before its question; a fresh adapter records `blend=0, kernel_size=9`) and
 optionally `"decode"` (eviction while generating). In memory the "aware" settings are the
 `AdapterConfig` fields of the same names and `AdapterConfig.uses` holds the other uses;
@@ -54,7 +55,7 @@ from typing import Any
 
 import torch
 
-from sparsekv.config import LATER_SETTINGS, LEARNED_SETTINGS, check_learned_settings
+from sparsekv.config import LEARNED_SETTINGS, check_learned_settings, without_later_defaults
 from sparsekv.scorer import KINDS, GatingHead
 from sparsekv.teacher import TargetConfig
 
@@ -304,11 +305,8 @@ class AdapterConfig:
         for k in POLICY_DEFAULTS:
             d.pop(k)
         uses = check_uses(self.uses, self.settings("aware"))  # refuses "aware" among them
-        aware = self.settings("aware")
-        for k, off in LATER_SETTINGS.items():  # absent = off, so older readers still load it
-            if aware[k] == off:
-                del aware[k]
-        d["uses"] = {"aware": aware, **uses}
+        # a later setting left off is not written, so older readers still load the folder
+        d["uses"] = {"aware": without_later_defaults(self.settings("aware")), **uses}
         return {TYPE_KEY: TYPE_TAG, "format_version": FORMAT_VERSION, **d}
 
     @classmethod

@@ -32,9 +32,15 @@ LEARNED_FALLBACK = {
     "span_peaks": 0.0,
 }
 """The settings of a learned policy whose scorer records none."""
-LATER_SETTINGS = {"span_fill": 0, "span_peaks": 0.0}
+LATER_SETTINGS = {k: LEARNED_FALLBACK[k] for k in ("span_fill", "span_peaks")}
 """Settings added after the first adapters were written (which lack them), with the value that
 leaves the policy as it was: an adapter records them only when they differ from it."""
+
+
+def without_later_defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` less the `LATER_SETTINGS` that hold their "off" value: what an adapter writes
+    and fingerprints, so adapters that do not use a later setting stay as they were."""
+    return {k: v for k, v in settings.items() if k not in LATER_SETTINGS or v != LATER_SETTINGS[k]}
 
 
 def _is_number(x: Any) -> bool:

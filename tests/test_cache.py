@@ -518,12 +518,13 @@ def test_learned_blend_max_keeps_what_either_signal_ranks_high():
         policies.get("learned", adapter=Fixed(), blend=0.5, blend_mode="union")
 
 
-def test_learned_kernel_size_keeps_the_neighbours_of_a_flagged_token():
+def _fixed_prior_prefill(n: int, flagged: list[int]):
+    """A scorer that returns a fixed prior (a mild preference for early tokens, 5.0 at `flagged`)
+    and the prefill context of `n` new tokens it scores."""
     from sparsekv.policies.base import ScoreContext
 
-    n, needle = 16, 8
-    prior = -torch.arange(n, dtype=torch.float32).view(1, 1, n) / 100  # mild preference for early
-    prior[..., needle] = 5.0
+    prior = -torch.arange(n, dtype=torch.float32).view(1, 1, n) / 100
+    prior[..., flagged] = 5.0
 
     class Fixed:
         def score_layer(self, layer_idx, hidden_states):
@@ -532,6 +533,12 @@ def test_learned_kernel_size_keeps_the_neighbours_of_a_flagged_token():
     ctx = ScoreContext(layer_idx=0, phase="prefill", keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4),
                        positions=torch.arange(n).view(1, 1, n), num_new=n, tokens_seen=n,
                        hidden_states=torch.zeros(1, n, 8))
+    return Fixed, ctx
+
+
+def test_learned_kernel_size_keeps_the_neighbours_of_a_flagged_token():
+    n, needle = 16, 8
+    Fixed, ctx = _fixed_prior_prefill(n, [needle])
     plain = policies.get("learned", adapter=Fixed()).score(ctx)
     pooled = policies.get("learned", adapter=Fixed(), kernel_size=3).score(ctx)
     assert set(plain[0, 0].topk(3).indices.tolist()) == {needle, 0, 1}
@@ -560,19 +567,7 @@ def test_fill_spans_fills_gaps_between_high_scores_and_leaves_the_flanks():
 
 
 def test_learned_span_fill_keeps_a_run_whose_ends_the_head_flags():
-    from sparsekv.policies.base import ScoreContext
-
-    n = 40
-    prior = -torch.arange(n, dtype=torch.float32).view(1, 1, n) / 100  # mild preference for early
-    prior[..., 10] = prior[..., 30] = 5.0  # the two ends of a 21-token run (a UUID, say)
-
-    class Fixed:
-        def score_layer(self, layer_idx, hidden_states):
-            return prior.clone()
-
-    ctx = ScoreContext(layer_idx=0, phase="prefill", keys=torch.zeros(1, 1, n, 4), values=torch.zeros(1, 1, n, 4),
-                       positions=torch.arange(n).view(1, 1, n), num_new=n, tokens_seen=n,
-                       hidden_states=torch.zeros(1, n, 8))
+    Fixed, ctx = _fixed_prior_prefill(40, [10, 30])  # the two ends of a 21-token run (a UUID, say)
     run = set(range(10, 31))
     plain = policies.get("learned", adapter=Fixed()).score(ctx)
     filled = policies.get("learned", adapter=Fixed(), span_fill=20).score(ctx)

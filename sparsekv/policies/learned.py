@@ -127,8 +127,8 @@ class LearnedPolicy(Policy):
         `span_fill` positions on each side scores as high as the lower of the two, so a run whose
         ends the head ranks high (a UUID of 36 tokens, a clause) is kept whole; with `span_peaks`
         (a quantile in [0, 1), 0 = every token) only tokens at or above that quantile of the
-        chunk's scores count as ends. `window`: the
-        observation window (queries) read when blending."""
+        chunk's scores count as ends. `window`: the observation window (queries) read when
+        blending."""
         if isinstance(adapter, str):
             if not adapter:
                 raise ValueError("adapter='' must name an adapter folder or Hub repo id")
