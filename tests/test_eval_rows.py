@@ -97,7 +97,11 @@ def test_a_fresh_run_into_a_folder_with_rows_refuses_and_keeps_them(tmp_path, ca
     assert (out / "results.jsonl").read_text() == before
 
 
-def test_overwrite_replaces_the_grids_slots_and_keeps_every_other_row(tmp_path, peer_rows):
+def test_overwrite_replaces_the_grids_slots_and_keeps_every_other_row(
+    tmp_path, peer_rows, monkeypatch
+):
+    from sparsekv.evaluation import execute
+
     out = tmp_path / "x"
     assert main([*_grid("0.1,0.3"), "--out", str(out)]) == 0
     assert (
@@ -105,11 +109,19 @@ def test_overwrite_replaces_the_grids_slots_and_keeps_every_other_row(tmp_path, 
         == 0
     )
     old = {_key(r): r for r in _rows(out)}
+    real = execute.Runner.run_group
+
+    def marked(self, *a, **k):  # every row of the second run carries a mark no real row has
+        for row in real(self, *a, **k):
+            yield {**row, "peak_rss_mb": -1.0}
+
+    monkeypatch.setattr(execute.Runner, "run_group", marked)
     assert main([*_grid("0.3"), "--out", str(out), "--overwrite"]) == 0
     rows = _rows(out)
     assert [_key(r) for r in rows] == list(old)  # no slot lost, none doubled, in place
     rerun = [r for r in rows if r["source"] == "sparsekv" and str(r["budget"]) in ("0.3", "1.0")]
-    assert len(rerun) == 3 and any(r["prefill_s"] != old[_key(r)]["prefill_s"] for r in rerun)
+    assert len(rerun) == 3 and all(r["peak_rss_mb"] == -1.0 for r in rerun)  # really rerun
+    assert all(old[_key(r)]["peak_rss_mb"] != -1.0 for r in rerun)
     kept = [r for r in rows if r["source"] == "kvpress" or str(r["budget"]) == "0.1"]
     assert kept == [
         r for r in old.values() if r["source"] == "kvpress" or str(r["budget"]) == "0.1"
