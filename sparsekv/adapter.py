@@ -429,6 +429,7 @@ class ScorerAdapter:
         blend: float | None = None,
         use: str | None = None,
         lora: bool = True,
+        tokenizer: Any = None,
         **eviction_kwargs: Any,
     ) -> Iterator[Attachment]:
         """Inside the `with` block, plain `model.generate(...)` runs with a fresh
@@ -436,8 +437,9 @@ class ScorerAdapter:
         (closed after the call). `use` ("aware" by default, "agnostic" for a context compressed
         before its question, "decode" when recorded) picks the recorded settings; keyword
         arguments named in `POLICY_DEFAULTS` (`blend`, `blend_mode`, `kernel_size`, `recency`,
-        `head_layer`, `span_fill`, `span_peaks`) override them, the others go to
-        `EvictionConfig`. When the adapter carries a LoRA and `lora` is True, it is injected into
+        `head_layer`, `span_fill`, `span_peaks`, `span_words`) override them, the others go to
+        `EvictionConfig`; `tokenizer` (the model's) serves `span_words`, which otherwise loads it
+        from the model's `name_or_path`. When the adapter carries a LoRA and `lora` is True, it is injected into
         the model for the block and removed on exit. A call that passes its own `cache=` (or `past_key_values=`) is left alone. On exit
         `model.generate`, the LoRA and the model's attention implementation are restored, also
         after an error. Yields an `Attachment` (its `last_cache` is the most recent call's
@@ -453,7 +455,7 @@ class ScorerAdapter:
         config = EvictionConfig(
             budget=budget, schedule=schedule, rerank_every=rerank_every, **eviction_kwargs
         )
-        policy = self.policy(use=use, **settings)
+        policy = self.policy(use=use, tokenizer=tokenizer, **settings)
         attachment = Attachment(model=model, config=config, policy=policy)
         had_own = "generate" in vars(model)
         own = vars(model).get("generate")

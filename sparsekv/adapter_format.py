@@ -20,7 +20,7 @@ Format 2 (written by this version), a folder of:
   that `peft.PeftModel.from_pretrained(base_model, "<folder>/lora")` loads on its own.
 
 `uses` maps a use name to the learned-policy settings (`recency`, `kernel_size`, `blend`,
-`blend_mode`, `head_layer`, and `span_fill` / `span_peaks` where they are not 0) that serve it
+`blend_mode`, `head_layer`, and `span_fill` / `span_peaks` / `span_words` where they are not 0) that serve it
 (the "aware" entry complete, the others the keys they set, the rest following "aware"):
 `"aware"` (the question is in the prompt when the cache is compressed; the defaults, what
 `attach(model)` applies), `"agnostic"` (a
@@ -204,6 +204,11 @@ class AdapterConfig:
     count as the ends of a gap to fill (0 = every token), so that runs between strongly flagged
     tokens (a needle) are filled and the ordinary ups and downs of prose are left alone. Written
     only when set, like `span_fill`."""
+    span_words: int = 0
+    """Last of the learned policy's transforms (`sparsekv.policies.base.close_words`): every token
+    of a word of at most `span_words` tokens scores as its word's best, so a number or a UUID is
+    kept or dropped whole (words read from the token ids with the model's tokenizer). 0 = off.
+    Written only when set, like `span_fill`."""
     uses: dict[str, dict[str, Any]] = field(
         default_factory=lambda: json.loads(json.dumps(DEFAULT_USES))
     )

@@ -90,6 +90,9 @@ class _Shared:
         self.padding_check_until = 0
         self.model: Any = None  # weak reference to the model, handed to policies in ScoreContext
         self.repeat: Any = None  # the active `repeat_pass` collector while a repeat forward runs
+        # token ids `(batch, new)` of the current forward, for policies that read them
+        # (`Policy.needs_input_ids`); None when the forward had none
+        self.input_ids: torch.Tensor | None = None
 
 
 class EvictingLayer(DynamicLayer):
@@ -287,8 +290,17 @@ class EvictingLayer(DynamicLayer):
             hidden_states=self.shared.first_hidden if self.shared.policy.hidden_from_first else self.hidden,
             budget_rank=self.budget_rank,
             num_budgeted=self.shared.num_budgeted,
+            input_ids=self._new_ids(),
             model=self.shared.model() if self.shared.model is not None else None,
         )
+
+    def _new_ids(self) -> torch.Tensor | None:
+        """Token ids of the new entries `(batch, num_new)`, when the policy reads them and the
+        forward that brought them had ids."""
+        ids = self.shared.input_ids
+        if not self.shared.policy.needs_input_ids or ids is None or not self.num_new:
+            return None
+        return ids[:, -self.num_new :] if ids.shape[-1] >= self.num_new else None
 
     def _received_from(self, which: str | None, window: int, query, kv_mask, scaling, softcap):
         """Attention the stored entries received from the new queries that `which` selects:
@@ -606,6 +618,7 @@ class SparseKVCache(Cache):
                 f"recorded {self.shared.record_window}; build it with record_window={policy.window}"
             )
         new = SparseKVCache(self.model, config, policy)
+        new.shared.input_ids = self.shared.input_ids
         if policy.hidden_from_first:
             new.shared.first_hidden = self.layers[self.budgeted_layers[0]].recorded.get("hidden")
         for i, layer in enumerate(self.layers):
@@ -645,7 +658,7 @@ class SparseKVCache(Cache):
             self._hooks.append(model.register_forward_hook(finish_hook(ref), with_kwargs=True))
         if self.config.prefill_chunk:
             self._hooks.append(model.register_forward_pre_hook(_chunk_prefill(ref), with_kwargs=True))
-        if self.policy.scores_after_prefill or self.shared.record:  # the repeat pass reads the ids
+        if self.policy.scores_after_prefill or self.shared.record or self.policy.needs_input_ids:
             self._hooks.append(model.register_forward_pre_hook(_note_inputs(ref), with_kwargs=True))
         if self.policy.scores_after_prefill:
             self._hooks.append(model.register_forward_hook(_after_forward(ref), with_kwargs=True))
@@ -671,13 +684,14 @@ def _capture_hidden(ref, layer: EvictingLayer, first: bool):
 def _note_inputs(ref):
     """Forward pre-hook on the model: keep the forward's `input_ids` `(batch, new)`, 2-D
     `attention_mask` `(batch, seen)` and `position_ids` for a repeat pass (not those of the
-    repeat's own forwards)."""
+    repeat's own forwards), and the ids for policies that read them."""
 
     def hook(module, args, kwargs):
         cache = ref()
         if cache is not None and kwargs.get("cache") is cache and not cache.in_repeat:
             ids = kwargs.get("input_ids", args[0] if args else None)
             cache.step_inputs = (ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+            cache.shared.input_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
 
     return hook
 

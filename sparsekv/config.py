@@ -18,7 +18,8 @@ LAYOUTS = ("dynamic", "static")
 BLEND_MODES = ("mix", "max")
 HEAD_LAYERS = ("own", "first")
 LEARNED_SETTINGS = (
-    "recency", "kernel_size", "blend", "blend_mode", "head_layer", "span_fill", "span_peaks"
+    "recency", "kernel_size", "blend", "blend_mode", "head_layer", "span_fill", "span_peaks",
+    "span_words",
 )
 """The learned policy's scoring settings, which an adapter records per use (they do not change
 training)."""
@@ -30,9 +31,10 @@ LEARNED_FALLBACK = {
     "head_layer": "own",
     "span_fill": 0,
     "span_peaks": 0.0,
+    "span_words": 0,
 }
 """The settings of a learned policy whose scorer records none."""
-LATER_SETTINGS = {k: LEARNED_FALLBACK[k] for k in ("span_fill", "span_peaks")}
+LATER_SETTINGS = {k: LEARNED_FALLBACK[k] for k in ("span_fill", "span_peaks", "span_words")}
 """Settings added after the first adapters were written (which lack them), with the value that
 leaves the policy as it was: an adapter records them only when they differ from it."""
 
@@ -61,11 +63,12 @@ def check_kernel_size(kernel_size: Any, name: str = "kernel_size") -> int:
 
 def check_learned_settings(
     blend: Any, blend_mode: Any, recency: Any, kernel_size: Any, head_layer: Any,
-    span_fill: Any = 0, span_peaks: Any = 0.0,
+    span_fill: Any = 0, span_peaks: Any = 0.0, span_words: Any = 0,
 ) -> dict:
     """The learned policy's settings checked (shared by the policy and the adapter config, which
     records them per use); returns them normalized (`blend`, `recency`, `span_peaks` as float).
-    `span_fill` (an int >= 0, 0 = off) and `span_peaks` (in [0, 1)) came later (`LATER_SETTINGS`)."""
+    `span_fill` (an int >= 0, 0 = off), `span_peaks` (in [0, 1)) and `span_words` (an int >= 0,
+    0 = off) came later (`LATER_SETTINGS`)."""
     if not _is_number(blend) or not (0.0 <= blend <= 1.0):
         raise ValueError(f"blend={blend!r} must be a number in [0, 1]")
     if blend_mode not in BLEND_MODES:
@@ -86,6 +89,7 @@ def check_learned_settings(
         "head_layer": head_layer,
         "span_fill": _check_span_fill(span_fill),
         "span_peaks": _check_span_peaks(span_peaks),
+        "span_words": _check_span_words(span_words),
     }
 
 
@@ -93,6 +97,15 @@ def _check_span_fill(span_fill: Any) -> int:
     if isinstance(span_fill, bool) or not isinstance(span_fill, int) or not 0 <= span_fill <= 4096:
         raise ValueError(f"span_fill={span_fill!r} must be an int in [0, 4096] (tokens; 0 = off)")
     return span_fill
+
+
+def _check_span_words(span_words: Any) -> int:
+    if isinstance(span_words, bool) or not isinstance(span_words, int) or not 0 <= span_words <= 4096:
+        raise ValueError(
+            f"span_words={span_words!r} must be an int in [0, 4096] (the longest word, in tokens, "
+            "kept or dropped whole; 0 = off)"
+        )
+    return span_words
 
 
 def _check_span_peaks(span_peaks: Any) -> float:

@@ -152,8 +152,10 @@ def test_kvzap_config_is_kvzaps_recipe():
         "kernel_size": 1,
         "recency": 0.0,
     }
-    # none of our tricks in the agnostic use either: no span filling (the default, 0)
-    assert cfg.inference_uses()["agnostic"] == {**cfg.inference_kwargs(), "span_fill": 0, "span_peaks": 0.0}
+    # none of our tricks in the agnostic use either: no span filling, no word closing (0)
+    assert cfg.inference_uses()["agnostic"] == {
+        **cfg.inference_kwargs(), "span_fill": 0, "span_peaks": 0.0, "span_words": 0
+    }
     assert cfg.dataset == "data/train-kvzap.jsonl"
 
 

@@ -16,6 +16,8 @@ The cache computes only the statistics a policy asks for through its class attri
 - `hidden_from_first`: with `needs_hidden_states`, hand every budgeted layer the attention inputs
   of the *first* budgeted layer for the same tokens instead of its own (one score per token,
   shared across layers; layers run in order, so they are always available).
+- `needs_input_ids`: the token ids of the new entries `(batch, new)` in `ctx.input_ids` (None
+  when the forward had no ids, e.g. `inputs_embeds`).
 - `tracks_observed`: keep `ctx.observed`, the attention each kept entry received from every query
   since the last re-rank (costs one extra q·K per decode step).
 - `evicts`: False for the full cache.
@@ -44,7 +46,7 @@ import torch
 from sparsekv.config import check_kernel_size
 
 __all__ = ["Policy", "ScoreContext", "available", "check_int", "check_kernel_size", "check_number",
-           "fill_spans", "get", "max_pool_seq", "register"]
+           "close_words", "fill_spans", "get", "max_pool_seq", "register"]
 
 
 @dataclass
@@ -63,6 +65,7 @@ class ScoreContext:
     observed: torch.Tensor | None = None  # (batch, kv_heads, seq) attention since the last re-rank
     queries: torch.Tensor | None = None  # (batch, heads, new, head_dim) the new queries, after RoPE
     hidden_states: torch.Tensor | None = None  # (batch, new, hidden) attention inputs of new tokens
+    input_ids: torch.Tensor | None = None  # (batch, new) token ids of the new entries, see `needs_input_ids`
     budget_rank: int = 0  # index of this layer among the budgeted layers (0 = shallowest)
     num_budgeted: int = 1
     model: Any = None  # the causal LM the cache serves (for policies that read its weights)
@@ -114,6 +117,26 @@ def fill_spans(x: torch.Tensor, reach: int, peaks: float = 0.0) -> torch.Tensor:
     return torch.maximum(y, torch.minimum(before, after)).reshape(b, h, n)
 
 
+def close_words(x: torch.Tensor, starts: torch.Tensor, longest: int) -> torch.Tensor:
+    """Raise every token of a word to its word's best score along the last axis of `(batch, heads,
+    seq)`, so that a word (a number split into digit tokens, a UUID of 36 tokens) is kept or
+    dropped whole. `starts` `(batch, seq)` bool marks where words begin (`sparsekv.words.
+    word_starts`); a word longer than `longest` tokens (text without spaces) keeps its own
+    scores. The first word of `x` may continue one that began earlier: only its part here is
+    closed."""
+    if longest <= 0 or x.shape[-1] < 2:
+        return x
+    b, h, n = x.shape
+    word = starts.to(x.device).long().cumsum(-1)  # (batch, seq): 1 for the first word, ...
+    size = torch.zeros(b, n + 1, dtype=torch.long, device=x.device).scatter_add_(
+        1, word, torch.ones_like(word)
+    )
+    short = size.gather(1, word) <= longest
+    index = word[:, None, :].expand(b, h, n)
+    best = x.new_full((b, h, n + 1), float("-inf")).scatter_reduce(2, index, x, "amax")
+    return torch.where(short[:, None, :], best.gather(2, index), x)
+
+
 def check_int(name: str, value: Any, minimum: int | None = None) -> int:
     """`value` as an int (bools refused) >= `minimum`; the error names the argument."""
     if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
@@ -137,6 +160,7 @@ class Policy:
     window: int = 1
     needs_hidden_states: ClassVar[bool] = False
     hidden_from_first: bool = False
+    needs_input_ids: bool = False
     tracks_observed: bool = False
     evicts: ClassVar[bool] = True
     schedule: ClassVar[str | None] = None

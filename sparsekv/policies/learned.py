@@ -37,10 +37,12 @@ from sparsekv.policies.base import (
     Policy,
     ScoreContext,
     check_int,
+    close_words,
     fill_spans,
     max_pool_seq,
     register,
 )
+from sparsekv.words import check_tokenizer, word_starts, word_table
 
 __all__ = [
     "BLEND_MODES",
@@ -82,6 +84,22 @@ def _load_scorer(spec: str) -> LayerScorer:
     return _LOADER(spec)
 
 
+def _model_tokenizer(model: Any, span_words: int) -> Any:
+    """The tokenizer saved with `model` (its `name_or_path`), for `span_words`."""
+    path = getattr(model, "name_or_path", None) or getattr(
+        getattr(model, "config", None), "_name_or_path", None
+    )
+    hint = f"span_words={span_words} needs the model's tokenizer: pass tokenizer=... to the policy"
+    if not path:
+        raise ValueError(f"{hint} (the model has no name_or_path to load it from)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # any failure means the same to the user
+        raise ValueError(f"{hint} (loading one from {path!r} failed: {err})") from err
+
+
 def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head mean and standard deviation over the finite entries of `(batch, heads, seq)`."""
     finite = torch.isfinite(x)
@@ -109,13 +127,15 @@ class LearnedPolicy(Policy):
         use: str | None = None,
         span_fill: int | None = None,
         span_peaks: float | None = None,
+        span_words: int | None = None,
+        tokenizer: Any = None,
     ):
         """`adapter`: a `ScorerAdapter`, a folder or Hub id to load one from, or any `LayerScorer`
         (`score_layer(layer_idx, hidden_states (batch, new, hidden)) -> (batch, kv_heads, new)`).
         `use`: which of the adapter's recorded uses supplies the unset settings ("aware" when
         None; see `ScorerAdapter.settings`); a plain scorer without recorded settings takes 0,
         "mix", 0, 1, "own" and 0 for `blend`, `blend_mode`, `recency`, `kernel_size`,
-        `head_layer`, `span_fill`, `span_peaks`.
+        `head_layer`, `span_fill`, `span_peaks`, `span_words`.
         `head_layer`: "own" (each budgeted layer's head reads that layer's attention inputs) or
         "first" (the first budgeted layer's head scores each token once, from that layer's
         inputs, and every budgeted layer uses that score: one cross-layer importance per token).
@@ -127,7 +147,11 @@ class LearnedPolicy(Policy):
         `span_fill` positions on each side scores as high as the lower of the two, so a run whose
         ends the head ranks high (a UUID of 36 tokens, a clause) is kept whole; with `span_peaks`
         (a quantile in [0, 1), 0 = every token) only tokens at or above that quantile of the
-        chunk's scores count as ends. `window`: the observation window (queries) read when
+        chunk's scores count as ends. `span_words` (int >= 0, 0 = off): last, every token of a
+        word of at most that many tokens scores as its word's best token (`close_words`), so a
+        number or a UUID is kept or dropped whole; words are read from the token ids with the
+        model's `tokenizer` (`sparsekv.words`): pass it, or it is loaded from the model's
+        `name_or_path` on first use. `window`: the observation window (queries) read when
         blending."""
         if isinstance(adapter, str):
             if not adapter:
@@ -154,6 +178,7 @@ class LearnedPolicy(Policy):
             "head_layer": head_layer,
             "span_fill": span_fill,
             "span_peaks": span_peaks,
+            "span_words": span_words,
         }
         settings = check_learned_settings(
             **{k: recorded[k] if v is None else v for k, v in given.items()}
@@ -164,6 +189,11 @@ class LearnedPolicy(Policy):
         self.recency, self.kernel_size = settings["recency"], settings["kernel_size"]
         self.head_layer = settings["head_layer"]
         self.span_fill, self.span_peaks = settings["span_fill"], settings["span_peaks"]
+        self.span_words = settings["span_words"]
+        self.needs_input_ids = self.span_words > 0
+        if tokenizer is not None:
+            check_tokenizer(tokenizer)
+        self._words = None if tokenizer is None or not self.span_words else word_table(tokenizer)
         self.hidden_from_first = self.head_layer == "first"
         # the head that scores the tokens of a budgeted layer: its own, or the first layer's
         self._first_layer = self._adapter_first_layer() if self.hidden_from_first else None
@@ -184,7 +214,7 @@ class LearnedPolicy(Policy):
             f"LearnedPolicy(blend={self.blend:g}, blend_mode={self.blend_mode!r}, "
             f"kernel_size={self.kernel_size}, recency={self.recency:g}, "
             f"head_layer={self.head_layer!r}, span_fill={self.span_fill}, "
-            f"span_peaks={self.span_peaks:g})"
+            f"span_peaks={self.span_peaks:g}, span_words={self.span_words})"
         )
 
     def _adapter_first_layer(self) -> int:
@@ -192,6 +222,16 @@ class LearnedPolicy(Policy):
         if not layers:
             raise ValueError("head_layer='first' needs an adapter whose config lists its layers")
         return min(layers)
+
+    def _word_starts(self, ctx: ScoreContext) -> torch.Tensor:
+        if ctx.input_ids is None:
+            raise ValueError(
+                f"span_words={self.span_words} reads the token ids of the entries it scores, and "
+                "this forward had none (inputs_embeds?): pass input_ids, or span_words=0"
+            )
+        if self._words is None:
+            self._words = word_table(_model_tokenizer(ctx.model, self.span_words))
+        return word_starts(ctx.input_ids, self._words)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         out = ctx.carry()
@@ -201,6 +241,8 @@ class LearnedPolicy(Policy):
                 out.dtype
             )  # (b, kv_heads, new)
             new = fill_spans(max_pool_seq(new, self.kernel_size), self.span_fill, self.span_peaks)
+            if self.span_words and ctx.num_new > 1:
+                new = close_words(new, self._word_starts(ctx), self.span_words)
             if self.recency:
                 pos = ctx.positions[..., -ctx.num_new :].to(out.dtype)
                 new = new + self.recency / 1000.0 * pos
