@@ -365,22 +365,28 @@ def test_fingerprint_follows_weights_and_settings_not_files(tmp_path):
     other.config.kernel_size = 1
     other.config.span_fill = 16  # a later setting: it counts once it is set
     assert other.fingerprint() != fp
+    other.config.span_fill = 0
+    assert other.fingerprint() == fp
+    other.config.span_words = 48
+    assert other.fingerprint() != fp
 
 
-def test_span_fill_is_recorded_per_use_and_written_only_when_set(tmp_path):
+@pytest.mark.parametrize(("name", "value", "bad"), [("span_fill", 24, -3), ("span_words", 48, 1.5)])
+def test_later_settings_are_recorded_per_use_and_written_only_when_set(tmp_path, name, value, bad):
     adapter = _trained_like(ScorerAdapter.for_model(tiny_model("llama"), layers=[1, 3]))
     folder = adapter.save_pretrained(tmp_path / "plain")
     written = json.loads((folder / "config.json").read_text())["uses"]
     # off (0) it is not written, so sparsekv versions that predate it still read the folder
-    assert all("span_fill" not in settings for settings in written.values())
-    assert ScorerAdapter.from_pretrained(folder).settings("agnostic")["span_fill"] == 0
-    adapter.config.uses["agnostic"] = {**adapter.config.uses["agnostic"], "span_fill": 24}
-    folder = adapter.save_pretrained(tmp_path / "filled")
+    assert all(name not in settings for settings in written.values())
+    assert ScorerAdapter.from_pretrained(folder).settings("agnostic")[name] == 0
+    adapter.config.uses["agnostic"] = {**adapter.config.uses["agnostic"], name: value}
+    folder = adapter.save_pretrained(tmp_path / "set")
     written = json.loads((folder / "config.json").read_text())["uses"]
-    assert written["agnostic"]["span_fill"] == 24 and "span_fill" not in written["aware"]
+    assert written["agnostic"][name] == value and name not in written["aware"]
     loaded = ScorerAdapter.from_pretrained(folder)
-    assert loaded.policy(use="agnostic").span_fill == 24 and loaded.policy().span_fill == 0
-    assert loaded.policy(use="agnostic", span_fill=0).span_fill == 0  # an argument overrides
-    adapter.config.uses["agnostic"]["span_fill"] = -3
-    with pytest.raises(ValueError, match="span_fill"):
+    assert getattr(loaded.policy(use="agnostic"), name) == value
+    assert getattr(loaded.policy(), name) == 0
+    assert getattr(loaded.policy(use="agnostic", **{name: 0}), name) == 0  # an argument overrides
+    adapter.config.uses["agnostic"][name] = bad
+    with pytest.raises(ValueError, match=name):
         adapter.save_pretrained(tmp_path / "bad")

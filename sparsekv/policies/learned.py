@@ -84,20 +84,28 @@ def _load_scorer(spec: str) -> LayerScorer:
     return _LOADER(spec)
 
 
-def _model_tokenizer(model: Any, span_words: int) -> Any:
-    """The tokenizer saved with `model` (its `name_or_path`), for `span_words`."""
+_WORDS: dict[str, torch.Tensor] = {}  # word tables per model path: read once per process
+
+
+def _model_words(model: Any, span_words: int) -> torch.Tensor:
+    """The word table (`sparsekv.words.word_table`) of the tokenizer saved with `model` (its
+    `name_or_path`), for `span_words`."""
     path = getattr(model, "name_or_path", None) or getattr(
         getattr(model, "config", None), "_name_or_path", None
     )
     hint = f"span_words={span_words} needs the model's tokenizer: pass tokenizer=... to the policy"
     if not path:
         raise ValueError(f"{hint} (the model has no name_or_path to load it from)")
+    if path in _WORDS:
+        return _WORDS[path]
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as err:  # any failure means the same to the user
         raise ValueError(f"{hint} (loading one from {path!r} failed: {err})") from err
+    _WORDS[path] = word_table(tokenizer)
+    return _WORDS[path]
 
 
 def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +238,7 @@ class LearnedPolicy(Policy):
                 "this forward had none (inputs_embeds?): pass input_ids, or span_words=0"
             )
         if self._words is None:
-            self._words = word_table(_model_tokenizer(ctx.model, self.span_words))
+            self._words = _model_words(ctx.model, self.span_words)
         return word_starts(ctx.input_ids, self._words)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
