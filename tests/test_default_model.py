@@ -94,3 +94,41 @@ def test_shipped_adapter_keeps_a_needle_in_every_full_layer(default_model):
     assert kept["prior"] == [7, 7, 7], kept  # one score per token, shared by the three layers
     assert kept["learned"][0] == 7 and sum(kept["learned"]) > sum(kept["snapkv"]), kept  # + window
     assert min(kept["snapkv"]) < 7, kept
+
+
+@pytest.mark.integration
+def test_span_words_keeps_a_uuid_whole_with_the_real_tokenizer(default_model):
+    """Gemma's tokenizer splits a UUID into one token per hex digit and dash: one word of 36
+    tokens (37 with the full stop after it), which `span_words` keeps or drops whole in every
+    budgeted layer; the line break after it begins a new word."""
+    from pathlib import Path
+
+    from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache
+    from sparsekv.evaluation.text import corpus
+    from sparsekv.words import word_starts, word_table
+
+    model, tok = default_model
+    value = "0ddb2588-6d40-4d12-9e28-5a1c3b7f90e4"
+    enc = tok(f"The identifier is {value}.\nNext", add_special_tokens=False, return_tensors="pt")
+    starts = word_starts(enc["input_ids"], word_table(tok))[0].tolist()
+    pieces = tok.convert_ids_to_tokens(enc["input_ids"][0])
+    first = pieces.index("▁") if "▁" in pieces else next(i for i, p in enumerate(pieces) if p.startswith("▁0"))
+    newline = pieces.index("\n")
+    assert starts[first] and not any(starts[first + 1 : newline]) and newline - first >= 33
+    assert starts[newline] and starts[newline + 1]  # "Next" after the break, without a space marker
+    root = Path(__file__).resolve().parents[1]
+    adapter = ScorerAdapter.from_pretrained(root / "checkpoints" / "gemma3-270m-sparsekv")
+    prose = " ".join(s for d in corpus() for s in d.sentences)[:6000]
+    cut = prose.index(" ", 3000)
+    text = prose[:cut] + f" The identifier of the north gate record is {value}. " + prose[cut:]
+    enc = tok(text, return_tensors="pt", return_offsets_mapping=True)
+    start = text.index(value)
+    spans = enc["offset_mapping"][0].tolist()
+    uuid = {i for i, (a, b) in enumerate(spans) if a < start + len(value) and b > start}
+    assert len(uuid) >= 32
+    pol = adapter.policy(use="agnostic", span_words=64, tokenizer=tok)
+    with SparseKVCache(model, EvictionConfig(budget=0.3, schedule="pyramid"), pol) as cache:
+        with torch.no_grad():
+            model(input_ids=enc["input_ids"], cache=cache)
+        kept = [len(uuid & set(cache.layers[i].positions[0, 0].tolist())) for i in (5, 11, 17)]
+    assert kept == [len(uuid)] * 3, kept  # without span_words: [32, 11, 10] of 35
