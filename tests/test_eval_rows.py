@@ -171,7 +171,7 @@ def test_growing_the_budget_list_runs_only_the_new_rows(tmp_path, monkeypatch):
     assert all(r == old[_key(r)] for r in rows if _key(r) in old)  # timings included: not rerun
 
 
-def _adapter(path: Path, shift: float = 0.0) -> Path:
+def _adapter(path: Path, shift: float = 0.0, uses: dict | None = None) -> Path:
     import torch
 
     from sparsekv import ScorerAdapter
@@ -179,7 +179,7 @@ def _adapter(path: Path, shift: float = 0.0) -> Path:
 
     model, _ = load_model("tiny:llama")
     torch.manual_seed(0)
-    adapter = ScorerAdapter.for_model(model, hidden=8)
+    adapter = ScorerAdapter.for_model(model, hidden=8, uses=uses)
     with torch.no_grad():
         for p in adapter.head.parameters():
             p.add_(shift)
@@ -218,6 +218,34 @@ def test_changed_adapter_weights_at_one_path_are_another_method(tmp_path, capsys
     mixed = first + [{**r, "sample_id": "other"} for r in rows if r["policy"] == "learned"]
     names = {s["policy"] for s in summarize(mixed)}
     assert {f"learned [{h[:8]}]" for h in hashes | new} <= names and "learned" not in names
+
+
+def test_a_changed_use_of_the_same_adapter_is_another_method(tmp_path, capsys):
+    """The agnostic use's settings are not in the fingerprint (weights and "aware" settings are):
+    rows record the settings each learned run resolved, and a resume refuses to merge rows of
+    other settings under one label."""
+    path = _adapter(tmp_path / "adapter")
+    out = tmp_path / "x"
+    grid = [*_grid("0.3"), "--policy", f"learned:{path}@use=agnostic@label=learned", "--out", str(out)]
+    assert main(grid) == 0
+    first = _rows(out)
+    (mine,) = [r for r in first if r["policy"] == "learned"]
+    assert mine["learned_settings"] == {
+        "blend": 0.0, "blend_mode": "mix", "recency": 0.0, "kernel_size": 9,
+        "head_layer": "own", "span_fill": 0, "span_peaks": 0.0, "span_words": 0,
+    }
+    assert {r["learned_settings"] for r in first if r["policy"] != "learned"} == {None}
+    hash_before = mine["adapter_hash"]
+    _adapter(path, uses={"agnostic": {"blend": 0.0, "kernel_size": 9, "span_fill": 16}})
+    capsys.readouterr()
+    assert main([*grid[:-2], "--samples", "2", "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "ran with other settings" in err and "span_fill: 0 -> 16" in err
+    assert _rows(out) == first  # nothing ran, nothing changed
+    # the same weights: the fingerprint alone could not tell the two apart
+    from sparsekv import ScorerAdapter
+
+    assert ScorerAdapter.from_pretrained(path).fingerprint() == hash_before
 
 
 def test_rows_from_before_adapter_hashes_resume_as_the_current_adapter(tmp_path, capsys):

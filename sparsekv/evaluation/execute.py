@@ -112,7 +112,8 @@ class Runner:
     # ---- planning -------------------------------------------------------------------------
     def plan(self) -> ForkPlan:
         """Build every policy of the grid once (an unloadable adapter fails here, before any
-        work), take each learned policy's adapter fingerprint (`hashes`, by spec text), and
+        work), take each learned policy's adapter fingerprint (`hashes`, by spec text) and
+        resolved settings (`settings`, by spec text), and
         decide which methods fork from the shared prefill (`plan.plan_forks`)."""
         from sparsekv.families import model_shape
 
@@ -126,6 +127,12 @@ class Runner:
             except (OSError, ValueError) as e:  # OSError: neither a folder nor a Hub repo
                 raise ValueError(f"policy {spec.spec!r}: {e}") from e
         self.hashes = {spec.spec: self.adapter_hash(spec) for spec in self.cfg.policy_specs}
+        # what each learned method scores with (its use's settings are not in the fingerprint)
+        self.settings = {
+            spec.spec: built[spec.spec].settings()
+            for spec in self.cfg.policy_specs
+            if self._adapter_path(spec) is not None
+        }
         self.loras = {
             spec.spec: built[spec.spec].adapter.lora
             for spec in self.cfg.policy_specs
@@ -290,6 +297,7 @@ class Runner:
         )
         if spec is not None:
             row["adapter_hash"] = self.adapter_hash(spec)
+            row["learned_settings"] = getattr(self, "settings", {}).get(spec.spec)
             if self.lora_of(spec) is not None:
                 row["policy_spec"] = lora_spec_text(spec_text)
         return row

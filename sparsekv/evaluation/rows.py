@@ -70,6 +70,7 @@ ROW_FIELDS = (
     "prefill_shared",
     "fork_s",
     "adapter_hash",
+    "learned_settings",
 )
 REQUIRED_PEER_FIELDS = ("sample_id", "task", "length", "protocol", "policy", "budget")
 RESULTS = "results.jsonl"
@@ -223,12 +224,18 @@ class Finished:
 
 
 def finished(
-    rows: list[dict[str, Any]], cfg: EvalConfig, hashes: dict[str, str | None], out: Path
+    rows: list[dict[str, Any]],
+    cfg: EvalConfig,
+    hashes: dict[str, str | None],
+    out: Path,
+    settings: dict[str, dict[str, Any]] | None = None,
 ) -> Finished:
     """Sort the folder's own rows (source sparsekv) against the grid `cfg`, whose learned
-    methods run the adapters of fingerprint `hashes[spec.spec]`. A row counts as done unless its
-    label belongs to a grid method under the same protocol that it does not match: another spec
-    text, or (when both are known) another adapter fingerprint."""
+    methods run the adapters of fingerprint `hashes[spec.spec]` with the resolved settings
+    `settings[spec.spec]`. A row counts as done unless its label belongs to a grid method under
+    the same protocol that it does not match: another spec text, or (when both are known)
+    another adapter fingerprint or other settings (an adapter whose recorded use changed)."""
+    settings = settings or {}
     specs = {(pr, p.label): p for p in cfg.policy_specs for pr in cfg.protocols if p.runs_under(pr)}
     res = Finished()
     clash: dict[tuple, list] = {}
@@ -250,6 +257,12 @@ def finished(
             if old_hash and new_hash and old_hash != new_hash:
                 clash.setdefault(("adapter", label, pr, old_hash, new_hash), []).append(r)
                 continue
+            old_set, new_set = r.get("learned_settings"), settings.get(spec.spec)
+            if old_set and new_set and old_set != new_set:
+                clash.setdefault(
+                    ("settings", label, pr, _settings_text(old_set, new_set), ""), []
+                ).append(r)
+                continue
             if new_hash and not old_hash:
                 res.legacy[label] = res.legacy.get(label, 0) + 1
         res.done.setdefault((r["sample_id"], pr), set()).add((label, str(r["budget"])))
@@ -260,6 +273,14 @@ def finished(
                 f"here {new!r}; give the new method another @label=NAME to keep both, or add "
                 "--overwrite to replace those rows"
             )
+        elif kind == "settings":
+            res.conflicts.append(
+                f"resume: {len(rs)} rows of {label!r} under {pr} in {out} ran with other settings "
+                f"than {specs[(pr, label)].spec!r} resolves to now ({old}; its adapter's recorded "
+                "use changed?); rows of two settings are never merged under one label: pin the "
+                "settings in the spec, give this one another @label=NAME to keep both, add "
+                "--overwrite to replace those rows, or use another --out"
+            )
         else:
             res.conflicts.append(
                 f"resume: {len(rs)} rows of {label!r} under {pr} in {out} ran adapter {old[:12]}, "
@@ -269,6 +290,12 @@ def finished(
                 "rows, or use another --out"
             )
     return res
+
+
+def _settings_text(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """`key: old -> new` for each setting that differs."""
+    keys = sorted(set(old) | set(new))
+    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k))
 
 
 # ---- rows from elsewhere --------------------------------------------------------------------

@@ -267,7 +267,7 @@ def run_eval(
         samples = build_samples(cfg, codec)
         done: dict = {}
         if resume:
-            kept = finished(rows, cfg, runner.hashes, out)
+            kept = finished(rows, cfg, runner.hashes, out, runner.settings)
             if kept.conflicts and not overwrite:
                 more = (
                     f" ({len(kept.conflicts) - 1} more such labels)"

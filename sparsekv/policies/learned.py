@@ -211,6 +211,22 @@ class LearnedPolicy(Policy):
         self.tracks_observed = self.blend > 0
         self.attention_queries = "window" if self.blend > 0 else None
 
+    def settings(self) -> dict[str, Any]:
+        """The settings this policy scores with, resolved (given, else the adapter's recorded
+        use, else the fallback): `blend`, `blend_mode`, `recency`, `kernel_size`, `head_layer`,
+        `span_fill`, `span_peaks`, `span_words`. Eval rows record them, since a use's settings
+        can change in an adapter whose weights (and fingerprint) do not."""
+        return {
+            "blend": self.blend,
+            "blend_mode": self.blend_mode,
+            "recency": self.recency,
+            "kernel_size": self.kernel_size,
+            "head_layer": self.head_layer,
+            "span_fill": self.span_fill,
+            "span_peaks": self.span_peaks,
+            "span_words": self.span_words,
+        }
+
     def check_model(self, shape: Any) -> None:
         """The adapter's own check (`ScorerAdapter.check_compatible`), when it has one."""
         check = getattr(self.adapter, "check_compatible", None)
