@@ -50,11 +50,11 @@ def test_default_model_generates_deterministically(default_model):
 @pytest.mark.integration
 def test_second_load_is_fast(default_model):
     # CPU seconds, not wall time: the load is measured, not the other jobs sharing the machine
-    # (on an idle 2-core machine both are ~1-3 s; the wall bound only catches a reconversion,
-    # which takes ~60 s).
+    # (on an idle 2-core machine both are ~1-3 s, ~6 s CPU on a slower one; a reconversion takes
+    # 60-120 s CPU, which is what both bounds are there to catch).
     wall, cpu = time.perf_counter(), time.process_time()
     load_default_model()
-    assert time.process_time() - cpu < 5.0
+    assert time.process_time() - cpu < 20.0
     assert time.perf_counter() - wall < 30.0
 
 
