@@ -14,9 +14,10 @@ Nothing is written. It is a diagnostic for the tuning seed's folders: reading it
 seed's rows is reading the report seed.
 
 The needle is the text the answer is copied from: for qa the planted sentence up to the end of
-its answer words (the cue and the answer), otherwise the first occurrence of the answer text in the context (a value, a
-UUID; families whose answer is not one span, such as multivalue, take the first value). Its
-tokens are the context tokens whose characters overlap it (the tokenizer's offsets).
+its answer words (the cue and the answer), otherwise the first occurrence of the answer text in
+the context (a value, a UUID; families whose answer is not one span, such as multivalue, take
+the first value). Its tokens are the context tokens whose characters overlap it (the
+tokenizer's offsets).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 
 def needle_text(prompt: dict[str, Any]) -> str | None:
@@ -73,10 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     from sparsekv import SparseKVCache
     from sparsekv.evaluation.config import EvalConfig
     from sparsekv.evaluation.execute import Runner
+    from sparsekv.evaluation.folder import read_config
     from sparsekv.evaluation.models import load_model
+    from sparsekv.evaluation.rows import read_rows
 
     folder = Path(args.out)
-    raw = yaml.safe_load((folder / "config.yaml").read_text())
+    raw = read_config(folder)
+    if raw is None:
+        raise SystemExit(f"--out {folder}: no config.yaml there")
+    # the folder's config is the grid as run: its fields, plus what the run resolved and recorded
     raw = {k: v for k, v in raw.items() if k not in ("environment", "policy_specs")}
     cfg = EvalConfig.from_dict(raw)
     specs = {p.label: p for p in cfg.policy_specs}
@@ -94,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--task {args.task!r}: no prompts of it in {folder}/prompts.jsonl")
     prompts = prompts[: args.samples]
     scores: dict[tuple[str, str], float] = {}
-    for line in (folder / "results.jsonl").open():
-        r = json.loads(line)
+    for r in read_rows(folder / "results.jsonl"):
         ours = r["policy"] == "full" or (r["policy"] == args.label and r["budget"] == args.budget)
         if ours and r["task"] == args.task and r["protocol"] == "agnostic" and not r.get("error"):
             scores[(r["policy"], r["sample_id"])] = r["score"]

@@ -297,9 +297,9 @@ class Runner:
         )
         if spec is not None:
             row["adapter_hash"] = self.adapter_hash(spec)
-            row["learned_settings"] = getattr(self, "settings", {}).get(spec.spec)
-            if self.lora_of(spec) is not None:
+            if self.lora_of(spec) is not None:  # (plans the grid first if it was not yet)
                 row["policy_spec"] = lora_spec_text(spec_text)
+            row["learned_settings"] = self.settings.get(spec.spec)
         return row
 
     # ---- public -----------------------------------------------------------------------------

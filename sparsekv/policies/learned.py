@@ -216,16 +216,7 @@ class LearnedPolicy(Policy):
         use, else the fallback): `blend`, `blend_mode`, `recency`, `kernel_size`, `head_layer`,
         `span_fill`, `span_peaks`, `span_words`. Eval rows record them, since a use's settings
         can change in an adapter whose weights (and fingerprint) do not."""
-        return {
-            "blend": self.blend,
-            "blend_mode": self.blend_mode,
-            "recency": self.recency,
-            "kernel_size": self.kernel_size,
-            "head_layer": self.head_layer,
-            "span_fill": self.span_fill,
-            "span_peaks": self.span_peaks,
-            "span_words": self.span_words,
-        }
+        return {k: getattr(self, k) for k in LEARNED_FALLBACK}
 
     def check_model(self, shape: Any) -> None:
         """The adapter's own check (`ScorerAdapter.check_compatible`), when it has one."""
