@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekv import int8_attention
 from sparsekv.families import eager_attention_function, softcap
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -158,6 +159,27 @@ def packed_decode_sdpa(query, key, value, mask, **kwargs):
     return out.reshape(b, hq, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def _plain(kwargs) -> bool:
+    """No dropout, position bias or attention sinks: what the fused decode paths compute."""
+    return not (
+        kwargs.get("dropout", 0.0)
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("s_aux") is not None
+    )
+
+
+def int8_decode(query, operands, kv_mask, module, **kwargs) -> torch.Tensor:
+    """Attention of a decode step over a static layer's INT8 slots, read as int8
+    (`sparsekv.int8_attention`); `kv_mask` `(batch, kv_heads, 1, slots)` marks the live slots."""
+    kq, ks, vq, vs, new_k, new_v, slot = operands
+    valid = kv_mask[:, :, 0].expand(kq.shape[:3])
+    return int8_attention.decode_attention(
+        query, kq, ks, vq, vs, valid, new_k, new_v, slot,
+        scaling=kwargs.get("scaling") or module.head_dim**-0.5,
+        softcap=kwargs.get("softcap"),
+    )
+
+
 def _attention(base, module, query, key, value, attention_mask, **kwargs):
     request = attention_mask if isinstance(attention_mask, MaskRequest) else None
     fn = _base_function(base, module)
@@ -171,7 +193,15 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
     layer.note_padding(request.padding if request is not None else None)
     # (batch or 1, kv_heads or 1, q, k) bool, or None when the kernel needs none
     kv_mask = layer.attention_mask(query.shape[2], explicit_causal=base == "eager")
-    packed = packed_decode_sdpa(query, key, value, kv_mask, **kwargs) if base == "sdpa" else None
+    int8 = layer.int8_step() if hasattr(layer, "int8_step") else None
+    packed = None
+    if int8 is not None:  # a static layer's INT8 decode step: `key`, `value` are its int8 slots
+        if base == "sdpa" and _plain(kwargs):
+            packed = int8_decode(query, int8, kv_mask, module, **kwargs), None
+        else:
+            key, value = layer.dequantized_step()
+    if packed is None and base == "sdpa":
+        packed = packed_decode_sdpa(query, key, value, kv_mask, **kwargs)
     if packed is not None:
         out, weights = packed
     else:

@@ -34,6 +34,7 @@ logits then cover the last chunk only.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from typing import Any
 
@@ -274,12 +275,12 @@ class EvictingLayer(DynamicLayer):
     def _context(self, phase: str, query=None, attention=None) -> ScoreContext:
         n_old = self.keys.shape[-2] - self.num_new
         prev = None if self.scores is None else self.scores[..., :n_old]
-        keys, values = self.dense()
+        dense = functools.cache(self.dense)  # read while this step's entries are live
         return ScoreContext(
             layer_idx=self.layer_idx,
             phase=phase,
-            keys=keys,
-            values=values,
+            keys=lambda: dense()[0],  # built only if the policy reads them (ScoreContext)
+            values=lambda: dense()[1],
             positions=self.positions,
             num_new=self.num_new,
             tokens_seen=self.seen,

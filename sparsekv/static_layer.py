@@ -190,6 +190,9 @@ class StaticSlots:
         self._pos: torch.Tensor | None = None  # (1, 1, 1) long on the device: its absolute position
         self._full = False  # no free slot is left for another decode token
         self._ready = False  # a first step was stored: decode steps may take the in-place path
+        self._new_kv: tuple | None = None  # an INT8 decode step's own key and value, full precision
+        self._fresh: tuple | None = None  # the same, until `_live` is first read after the step
+        self._live_kv: tuple | None = None
         super().__init__(shared, layer_idx, budget_rank, fraction)
 
     @property
@@ -254,15 +257,14 @@ class StaticSlots:
         buf, slot = self._slots.buf, self._slot
         b, h = key_states.shape[:2]
         if self.quantized:
-            quantize, dequantize = self.codec
+            quantize = self.codec[0]
             (kq, ks), (vq, vs) = quantize(key_states), quantize(value_states)
             for name, t in (("keys", kq), ("key_scale", ks), ("values", vq), ("value_scale", vs)):
                 buf[name].index_copy_(2, slot, t)
-            # this step attends to its own entry at full precision, as the dynamic layout does
-            keys = dequantize(buf["keys"], buf["key_scale"]).index_copy_(2, slot, key_states)
-            values = dequantize(buf["values"], buf["value_scale"]).index_copy_(
-                2, slot, value_states
-            )
+            # sparsekv's attention reads the int8 slots themselves (`int8_step`); this step
+            # attends to its own entry at full precision, as the dynamic layout does
+            self._new_kv = (key_states, value_states)
+            keys, values = buf["keys"], buf["values"]
         else:
             buf["keys"].index_copy_(2, slot, key_states)
             buf["values"].index_copy_(2, slot, value_states)
@@ -272,6 +274,42 @@ class StaticSlots:
         self.num_new = 1
         attn.announce_layer(self.layer_idx, self)
         return keys, values
+
+    def int8_step(self) -> tuple | None:
+        """The operands of `sparsekv.int8_attention.decode_attention` for the INT8 decode step in
+        flight (after the mask's `valid`), or None when there is none."""
+        if self._step is None or not self.quantized or self._new_kv is None:
+            return None
+        buf = self._slots.buf
+        return (buf["keys"], buf["key_scale"], buf["values"], buf["value_scale"], *self._new_kv, self._slot)
+
+    def dequantized_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All slots of the INT8 decode step in flight, dequantized, with the step's own entry at
+        full precision: for an attention that cannot read int8 (eager, dropout, sinks)."""
+        dequantize, buf = self.codec[1], self._slots.buf
+        new_k, new_v = self._new_kv
+        keys = dequantize(buf["keys"], buf["key_scale"]).index_copy_(2, self._slot, new_k)
+        values = dequantize(buf["values"], buf["value_scale"]).index_copy_(2, self._slot, new_v)
+        return keys, values
+
+    @property
+    def _live(self):
+        """This step's keys and values at full precision (`EvictingLayer.dense`). After an INT8
+        decode step they are built on the first read only: the dequantized prefix with the
+        step's own entry, the last one, put back at full precision."""
+        if self._fresh is not None:
+            new_k, new_v = self._fresh
+            dequantize = self.codec[1]
+            keys = dequantize(self.keys, self.key_scale)
+            values = dequantize(self.values, self.value_scale)
+            keys[:, :, -1:], values[:, :, -1:] = new_k, new_v
+            self._live = (keys, values)
+        return self._live_kv
+
+    @_live.setter
+    def _live(self, kv) -> None:
+        self._fresh = None
+        self._live_kv = kv
 
     def query_offset(self) -> torch.Tensor | None:
         """Tokens seen, as a 0-d device tensor (what transformers' mask preparation reads; a
@@ -332,7 +370,10 @@ class StaticSlots:
             s.len[name] = n
         s.changed = True
         self.seen += 1
-        self._live = (keys[:, :, :n], values[:, :, :n])
+        if self.quantized:  # `keys` are the int8 slots (or their dequantized copy)
+            self._live, self._fresh, self._new_kv = None, self._new_kv, None
+        else:
+            self._live = (keys[:, :, :n], values[:, :, :n])
         kv_mask = super().attention_mask(1, explicit_causal=False)
         super().observe(None, query, kv_mask, scaling, softcap)
         self._refresh()

@@ -79,6 +79,33 @@ class ScoreContext:
         return out
 
 
+class _Deferred:
+    """A `ScoreContext` field that may also be given as a zero-argument callable, called on the
+    first read (then kept). The cache hands `keys` and `values` this way: for an INT8 layer they
+    are a dequantized copy of the whole layer, which most policies (the learned one among them)
+    never read."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.slot]
+        if callable(value) and not isinstance(value, torch.Tensor):
+            value = obj.__dict__[self.slot] = value()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+
+
+for _name in ("keys", "values"):  # after @dataclass: its __init__ assigns through these
+    _field = _Deferred()
+    _field.__set_name__(ScoreContext, _name)
+    setattr(ScoreContext, _name, _field)
+
+
 def max_pool_seq(x: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Max over a centred window of `kernel_size` (odd) entries along the last axis of
     `(batch, heads, seq)`: a token scores at least as high as its best neighbour, so spans
