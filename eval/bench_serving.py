@@ -13,7 +13,8 @@ and time, meaningless text. Modes:
   `--policy`: "learned" (default: a gating head of the shipped architecture, untrained, with
   blend 0 as in the query-agnostic use: the scorer's real cost, random choices), "snapkv" (the
   scores of docs/gpu-h200.md; it also recomputes each step's attention to the kept keys), "knorm";
-- `0.3+int8`: the same, kept entries stored as INT8.
+- `0.3+int8`: the same, kept entries stored as INT8; decode attention reads the int8 slots
+  (`sparsekv.int8_attention`: the Triton kernel on CUDA, `int8_kernel` in the rows).
 
 Per length and mode: one sequence is prefilled (in chunks) and its cache (compressed, for the
 budget modes) replicated across the batch; then decode steps run at that batch. The batch is
@@ -49,6 +50,7 @@ from bench_gpu import SHAPES, build_model
 
 from sparsekv import EvictionConfig, SparseKVCache
 from sparsekv import attention as sparse_attention
+from sparsekv import int8_attention
 from sparsekv.default_model import resolve_dtype
 from sparsekv.static_layer import finish_steps
 
@@ -366,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             row["attention"] = "packed" if mode.startswith("0.3") else args.attention
             # transformers' switch: grouped-query sdpa even with a mask (no KV head expansion)
             row["sdpa_force_gqa"] = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1"
+            # which implementation read the INT8 slots (sparsekv.int8_attention)
+            row["int8_kernel"] = int8_kernel(args.device) if mode.endswith("int8") else None
             rows.append(row)
             log(
                 f"{n} {mode}: batch {row['batch']} (fails at {row.get('fails_at')}), "
@@ -375,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     print_table(rows, args)
     return 0
+
+
+def int8_kernel(device: str) -> str:
+    """The implementation `decode_attention(kernel="auto")` takes on `device` for this model."""
+    return "triton" if device.startswith("cuda") and int8_attention.triton_available() else "torch"
 
 
 def print_table(rows: list[dict], args) -> None:

@@ -264,8 +264,8 @@ def test_config_round_trips_with_the_layout():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["snapkv", "learned"])
-def test_compiled_decode_step_generates_the_same_tokens(name):
+@pytest.mark.parametrize("name, quantize", [("snapkv", None), ("learned", None), ("learned", "int8")])
+def test_compiled_decode_step_generates_the_same_tokens(name, quantize):
     """`model.forward` compiled; decode steps pass `position_ids`, so the compiled graph sees
     fixed shapes only: scoring and eviction run eagerly after it (the forward hook). One graph,
     no graph break, no recompilation across 24 steps with evictions and re-ranks."""
@@ -277,7 +277,7 @@ def test_compiled_decode_step_generates_the_same_tokens(name):
     ids = _ids(1, 40)
     toks = {}
     for compiled in (False, True):
-        cfg = EvictionConfig(**SMALL, layout="static", max_length=128)
+        cfg = EvictionConfig(**SMALL, layout="static", max_length=128, quantize=quantize)
         cache = SparseKVCache(model, cfg, _policy(name, model))
         tok = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)  # prefill: eager
         if (
