@@ -19,7 +19,8 @@ Two implementations of the same arithmetic:
 - `kernel="triton"`: a split-K ("flash-decoding") Triton kernel, one program per (sequence,
   KV head, split of the slots), the query heads of the KV group as the rows of its dot products,
   online softmax inside a split; the splits and the new entry merge in a few small torch ops.
-  The default on CUDA when Triton is importable (and head_dim is a power of two >= 16). It runs
+  The default on CUDA when Triton is importable, head_dim is a power of two >= 16 and the
+  model's dtype is float16, bfloat16 or float32. It runs
   inside `torch.compile` and CUDA graphs (a user-defined Triton kernel). Tested on CPU with
   Triton's interpreter (`TRITON_INTERPRET=1`, tests/test_int8_attention.py).
 - `kernel="torch"`: the same in torch ops over blocks of `block` slots, so the transient is one
@@ -109,7 +110,8 @@ def decode_attention(
 def _triton_fits(query: torch.Tensor, vq: torch.Tensor) -> bool:
     d, dv = query.shape[-1], vq.shape[-1]
     pow2 = all(x >= 16 and x & (x - 1) == 0 for x in (d, dv))
-    return query.is_cuda and pow2 and triton_available()
+    floats = query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return query.is_cuda and pow2 and floats and triton_available()
 
 
 def _accumulate(query: torch.Tensor) -> torch.dtype:

@@ -284,9 +284,11 @@ def test_static_decode_steps_do_not_sync_with_the_host(quantize):
 
 
 @needs_cuda
-def test_static_decode_step_is_captured_in_cuda_graphs():
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_static_decode_step_is_captured_in_cuda_graphs(quantize):
     """model.forward compiled with mode="reduce-overhead": the decode step runs as CUDA graphs
-    (no cudagraph skip, one compiled graph) and gives the eager tokens."""
+    (no cudagraph skip, one compiled graph) and gives the eager tokens; with INT8 the step's
+    attention is the Triton kernel (`sparsekv.int8_attention`) inside the graph."""
     from torch._dynamo.utils import counters
 
     model = tiny_model("llama").to(CUDA, torch.float32)
@@ -295,7 +297,8 @@ def test_static_decode_step_is_captured_in_cuda_graphs():
     for compiled in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        cache = SparseKVCache(model, EvictionConfig(**STATIC), "snapkv")
+        cfg = EvictionConfig(**{**STATIC, "quantize": quantize})
+        cache = SparseKVCache(model, cfg, "snapkv")
         tok = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
         if compiled:
             model.forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
@@ -312,3 +315,53 @@ def test_static_decode_step_is_captured_in_cuda_graphs():
     assert torch.equal(toks[False], toks[True])
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("slots, groups", [(10_353, 4), (777, 1), (40, 8)])
+def test_int8_triton_kernel_matches_the_torch_one_on_cuda(dtype, slots, groups):
+    """The Triton kernel (what CUDA takes by default) against the blockwise torch one, masks,
+    softcap and several splits included; float32 within 1e-4, 16-bit within 2e-2."""
+    from sparsekv.cache import quantize
+    from sparsekv.int8_attention import decode_attention, triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    b, hk, d = 3, 2, 128
+    kq, ks = quantize(torch.randn(b, hk, slots, d, device=CUDA, generator=g, dtype=dtype))
+    vq, vs = quantize(torch.randn(b, hk, slots, d, device=CUDA, generator=g, dtype=dtype))
+    query = torch.randn(b, hk * groups, 1, d, device=CUDA, generator=g, dtype=dtype)
+    valid = torch.rand(b, hk, slots, device=CUDA, generator=g) > 0.5
+    new_k, new_v = (torch.randn(b, hk, 1, d, device=CUDA, generator=g, dtype=dtype) for _ in "kv")
+    slot = torch.tensor([slots - 1], device=CUDA)
+    args = (query, kq, ks, vq, vs, valid, new_k, new_v, slot)
+    for softcap in (None, 30.0):
+        tri = decode_attention(*args, scaling=d**-0.5, softcap=softcap, kernel="triton")
+        ref = decode_attention(*args, scaling=d**-0.5, softcap=softcap, kernel="torch")
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert (tri.float() - ref.float()).abs().max() < tol, (softcap, dtype)
+
+
+@needs_cuda
+def test_a_static_int8_decode_step_holds_no_copy_of_a_layer_on_cuda():
+    """What a decode step (the learned policy's scoring and eviction included) adds to the peak
+    device memory stays below half of one layer's dequantized keys (before the kernel, each
+    layer's step dequantized every slot: 2x the int8 bytes, held until the forward returned)."""
+    model = tiny_model("llama").to(CUDA, torch.bfloat16)
+    cfg = EvictionConfig(budget=0.3, layout="static", max_length=65_536, quantize="int8")
+    policy = ScorerAdapter.for_model(model).to(CUDA).policy(blend=0.0)  # reads no keys
+    cache = SparseKVCache(model, cfg, policy)
+    tok = model(input_ids=_ids(4, 64), cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    tok = model(input_ids=tok, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    layer = cache.layers[cache.budgeted_layers[0]]
+    dequantized = layer._slots.buf["keys"].numel() * 2  # bf16
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model(input_ids=tok, position_ids=torch.full((4, 1), 65, device=CUDA), cache=cache, logits_to_keep=1)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - base
+    cache.close()
+    assert grown < dequantized // 2, (grown, dequantized)

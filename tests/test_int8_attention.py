@@ -58,7 +58,7 @@ def _reference(query, kq, ks, vq, vs, valid, new_k, new_v, slot, scaling, softca
 
 @pytest.mark.parametrize(
     "shape",
-    [dict(), dict(hq=2, hk=2), dict(hq=8, hk=1, slots=5), dict(b=3, slots=1000, d=32)],
+    [{}, {"hq": 2, "hk": 2}, {"hq": 8, "hk": 1, "slots": 5}, {"b": 3, "slots": 1000, "d": 32}],
     ids=["gqa2", "mha", "mqa-few-slots", "long"],
 )
 @pytest.mark.parametrize("softcap", [None, 20.0])
@@ -213,6 +213,7 @@ def test_triton_kernel_equals_attention_over_the_dequantized_entries():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     run = subprocess.run(
-        [sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _TRITON_CHECK],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
