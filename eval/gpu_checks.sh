@@ -19,7 +19,8 @@
 #   STEPS=serving SERVING_ARGS="--probes 2" bash eval/gpu_checks.sh   # the benchmark alone, quicker
 #
 # Each step has its own time limit, so one slow step cannot starve the others. STEPS picks steps
-# (default: pytest serving; also teacher bench fp16); PYTEST_K selects tests (-k), PYTEST_ARGS
+# (default: pytest int8step serving; also teacher bench fp16; int8step is eval/bench_int8_step.py,
+# what one INT8 decode step allocates, limit 90 s); PYTEST_K selects tests (-k), PYTEST_ARGS
 # adds flags (-s); SERVING_LENGTHS, SERVING_ARGS (e.g. --probes, --new-tokens, --memory-gib).
 set -u -o pipefail
 OUT=${OUT:-results/gpu}
@@ -28,7 +29,7 @@ SHAPE=${SHAPE:-llama-3.1-8b}
 LENGTHS=${LENGTHS:-8192,16384,32768}
 DTYPE=${DTYPE:-bfloat16}
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-pytest serving}
+STEPS=${STEPS:-pytest int8step serving}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -54,6 +55,8 @@ step() {  # step NAME SECONDS CMD...
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 want pytest && step pytest_cuda "${PYTEST_LIMIT:-240}" env SPARSEKV_TEST_DEVICE="$DEVICE" \
   $PY -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs --durations=5 ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-}
+want int8step && step int8_step "${INT8_LIMIT:-90}" $PY eval/bench_int8_step.py --shape "$SHAPE" \
+  --device "$DEVICE" --dtype "$DTYPE" --batch "${INT8_BATCH:-8}" --json "$OUT/int8_step.json"
 want serving && step bench_serving "${SERVING_LIMIT:-480}" $PY eval/bench_serving.py --shape "$SHAPE" \
   --device "$DEVICE" --dtype "$DTYPE" --lengths "${SERVING_LENGTHS:-32768}" ${SERVING_ARGS:-} \
   --json "$OUT/bench_serving.json"

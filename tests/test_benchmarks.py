@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
 
 import bench_gpu  # noqa: E402
+import bench_int8_step  # noqa: E402
 import bench_teacher  # noqa: E402
 
 
@@ -50,3 +51,23 @@ def test_bench_teacher_small_shape_on_cpu(tmp_path, capsys):
     assert "| 320 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--block-size"):
         bench_teacher.main(["--shape", "tiny", "--device", "cpu", "--block-size", "0"])
+
+
+def test_bench_int8_step_reports_no_layer_copy_on_cpu(tmp_path):
+    """One static INT8 decode step of the tiny shape at 8K slots: its largest allocation is a
+    block of the torch kernel, well under one layer's dequantized keys (measured, not assumed)."""
+    out = tmp_path / "row.json"
+    rc = bench_int8_step.main(["--dtype", "float32", "--batch", "2", "--max-length", "8192",
+                               "--prompt", "32", "--steps", "2", "--json", str(out)])
+    assert rc == 0
+    row = json.loads(out.read_text())
+    # 4 budgeted layers x (K, V) x batch 2 x 2 KV heads x slots x (32 int8 + a float32 scale)
+    assert row["int8_store_bytes"] == 4 * 2 * 2 * 2 * row["slots"] * (32 + 4)
+    assert row["layer_dequantized_key_bytes"] == 2 * 2 * row["slots"] * 32 * 4
+    assert 0 < row["step_largest_allocation"] < row["layer_dequantized_key_bytes"] // 2
+    assert row["step_allocated_bytes"] >= row["step_largest_allocation"] and row["ms_per_step"] > 0
+
+
+def test_bench_int8_step_rejects_bad_counts():
+    with pytest.raises(SystemExit, match="--batch=0 must be >= 1"):
+        bench_int8_step.main(["--batch", "0"])
