@@ -362,7 +362,14 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(args.device)
         for mode in modes:
             t0 = time.perf_counter()
-            row = search(model, mode, ids, args, weights)
+            try:
+                row = search(model, mode, ids, args, weights)
+            except Exception as e:  # noqa: BLE001 - one mode's failure must not cost the others
+                model.__dict__.pop("forward", None)
+                torch._dynamo.reset()
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                log(f"{n} {mode}: failed ({error})")
+                row = {"mode": mode, "length": n, "batch": 0, "tok_s": 0.0, "error": error}
             row["search_s"] = time.perf_counter() - t0
             row["policy"] = args.policy if mode.startswith("0.3") else None
             row["attention"] = "packed" if mode.startswith("0.3") else args.attention
@@ -371,10 +378,11 @@ def main(argv: list[str] | None = None) -> int:
             # which implementation read the INT8 slots (sparsekv.int8_attention)
             row["int8_kernel"] = int8_kernel(args.device) if mode.endswith("int8") else None
             rows.append(row)
-            log(
-                f"{n} {mode}: batch {row['batch']} (fails at {row.get('fails_at')}), "
-                f"{row['tok_s']:.1f} tok/s, {row['search_s']:.0f} s"
-            )
+            if "error" not in row:
+                log(
+                    f"{n} {mode}: batch {row['batch']} (fails at {row.get('fails_at')}), "
+                    f"{row['tok_s']:.1f} tok/s, {row['search_s']:.0f} s"
+                )
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     print_table(rows, args)
@@ -406,7 +414,9 @@ def print_table(rows: list[dict], args) -> None:
         ]
         ratio = f"{r['tok_s'] / max(full):.2f}x" if full and max(full) > 0 else "-"
         per_seq = r.get("kv_bytes_per_seq", 0) / 2**20
-        if comparable(r):
+        if "error" in r:
+            speed = f"- | - (failed: {r['error'][:80]}) | -"
+        elif comparable(r):
             speed = f"{r.get('ms_per_step', 0):.1f} | {r['tok_s']:.1f} | {ratio}"
         else:  # only the eager batch-1 run fitted: no batch found, no speed to compare
             speed = f"- | - (no batch > 1 ran in {r.get('probes', 0)} probes) | -"
@@ -419,7 +429,7 @@ def print_table(rows: list[dict], args) -> None:
 def comparable(row: dict) -> bool:
     """A row whose speed is the searched batch's: not the eager batch-1 memory probe left
     standing because every larger probe ran out of memory."""
-    return row["batch"] > 1 or not row.get("fails_at")
+    return "error" not in row and (row["batch"] > 1 or not row.get("fails_at"))
 
 
 if __name__ == "__main__":

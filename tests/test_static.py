@@ -370,3 +370,25 @@ def test_bench_serving_search_sizes_the_batch_from_what_a_sequence_adds_to_the_p
     assert tried[:3] == [(1, False), (2, False), (16, True)]  # (80 - 15) GiB / 4 GiB
     assert row["batch"] == 16 and row["batch_estimate"] == 16 and row["peak_bytes_per_seq"] == 4 * gib
     assert row["fails_at"] == 20  # the next probe up (+25%) did not fit
+
+
+def test_bench_serving_keeps_the_other_modes_when_one_fails(tmp_path, monkeypatch, capsys):
+    """A mode that fails with anything but out-of-memory (a kernel that does not compile, say)
+    gets a row with its error; the modes after it still run and the table says why."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    import bench_serving
+
+    real = bench_serving.search
+
+    def failing(model, mode, *a, **k):
+        if mode == "0.3+int8":
+            raise RuntimeError("a kernel that does not compile\nsecond line")
+        return real(model, mode, *a, **k)
+
+    monkeypatch.setattr(bench_serving, "search", failing)
+    out = tmp_path / "rows.json"
+    assert bench_serving.main(["--tiny", "--lengths", "64", "--json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert rows["0.3+int8"]["error"] == "RuntimeError: a kernel that does not compile"
+    assert rows["dynamic"]["tok_s"] > 0  # ran after the failure
+    assert "| 64 | 0.3+int8 | 0.0 | 0 | - | - | - (failed: RuntimeError: a kernel" in capsys.readouterr().out
