@@ -169,10 +169,14 @@ def _plain(kwargs) -> bool:
 
 
 def int8_decode(query, operands, kv_mask, module, **kwargs) -> torch.Tensor:
-    """Attention of a decode step over a static layer's INT8 slots, read as int8
-    (`sparsekv.int8_attention`); `kv_mask` `(batch, kv_heads, 1, slots)` marks the live slots."""
+    """Attention of a decode step over a layer's INT8 store, read as int8
+    (`sparsekv.int8_attention`); `kv_mask` `(batch or 1, kv_heads or 1, 1, stored)` marks the
+    entries to attend, None all of them."""
     kq, ks, vq, vs, new_k, new_v, slot = operands
-    valid = kv_mask[:, :, 0].expand(kq.shape[:3])
+    if kv_mask is None:
+        valid = torch.ones(kq.shape[:3], dtype=torch.bool, device=kq.device)
+    else:
+        valid = kv_mask[:, :, 0].expand(kq.shape[:3])
     return int8_attention.decode_attention(
         query, kq, ks, vq, vs, valid, new_k, new_v, slot,
         scaling=kwargs.get("scaling") or module.head_dim**-0.5,
@@ -193,9 +197,9 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
     layer.note_padding(request.padding if request is not None else None)
     # (batch or 1, kv_heads or 1, q, k) bool, or None when the kernel needs none
     kv_mask = layer.attention_mask(query.shape[2], explicit_causal=base == "eager")
-    int8 = layer.int8_step() if hasattr(layer, "int8_step") else None
+    int8 = layer.int8_step()
     packed = None
-    if int8 is not None:  # a static layer's INT8 decode step: `key`, `value` are its int8 slots
+    if int8 is not None:  # an INT8 decode step: `key`, `value` are the layer's int8 store
         if base == "sdpa" and _plain(kwargs):
             packed = int8_decode(query, int8, kv_mask, module, **kwargs), None
         else:

@@ -120,7 +120,10 @@ class EvictingLayer(DynamicLayer):
         self.quantized = shared.config.quantize == "int8"
         self.key_scale: torch.Tensor | None = None  # (batch, kv_heads, stored, 1) when quantized
         self.value_scale: torch.Tensor | None = None
-        self._live: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's full-precision K, V
+        self._new_kv: tuple | None = None  # an INT8 decode step's own key and value until attended
+        self._fresh: tuple | None = None  # the same, until `_live` is first read
+        self._live_kv: tuple | None = None
+        self._live = None  # this step's full-precision K, V (see the property)
         self.recorded: dict[str, torch.Tensor] = {}  # see SparseKVCache(record=...)
         self.pending = 0  # newest entries awaiting scores from a repeat pass (scores_after_prefill)
 
@@ -140,7 +143,17 @@ class EvictingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
-        if self.quantized:
+        self._new_kv = None
+        if self.quantized and q == 1 and self.keys.shape[-2]:
+            # A decode step: sparsekv's attention reads the int8 store itself (`int8_step`) and
+            # the step's own entry at full precision; the scoring dequantizes only if it reads
+            kq, ks = quantize(key_states)
+            vq, vs = quantize(value_states)
+            self.keys, self.key_scale = torch.cat([self.keys, kq], -2), torch.cat([self.key_scale, ks], -2)
+            self.values, self.value_scale = torch.cat([self.values, vq], -2), torch.cat([self.value_scale, vs], -2)
+            keys, values = self.keys, self.values
+            self._new_kv = (key_states, value_states)
+        elif self.quantized:
             # Stored as int8 with one scale per token and head; this step attends over the
             # dequantized past plus the new entries at full precision.
             keys = torch.cat([dequantize(self.keys, self.key_scale), key_states], dim=-2)
@@ -152,7 +165,8 @@ class EvictingLayer(DynamicLayer):
         else:
             keys = self.keys = torch.cat([self.keys, key_states], dim=-2)
             values = self.values = torch.cat([self.values, value_states], dim=-2)
-        self._live = (keys, values)
+        self._live = (keys, values) if self._new_kv is None else None
+        self._fresh = self._new_kv
         new_pos = torch.arange(self.seen, self.seen + q, device=self.device).expand(b, h, q)
         self.positions = torch.cat([self.positions, new_pos], dim=-1)
         self.seen += q
@@ -162,6 +176,41 @@ class EvictingLayer(DynamicLayer):
         measure = self.shared.measure() if self.shared.measure is not None else None
         if measure is not None:
             self.shared.peak_bytes = max(self.shared.peak_bytes, measure())
+        return keys, values
+
+    @property
+    def _live(self):
+        """This step's keys and values at full precision (`dense`). After an INT8 decode step
+        they are built on the first read only: the dequantized store with the step's own entry,
+        the last one, put back at full precision (what attention saw)."""
+        if self._fresh is not None:
+            new_k, new_v = self._fresh
+            keys = dequantize(self.keys, self.key_scale)
+            values = dequantize(self.values, self.value_scale)
+            keys[:, :, -1:], values[:, :, -1:] = new_k, new_v
+            self._live = (keys, values)
+        return self._live_kv
+
+    @_live.setter
+    def _live(self, kv) -> None:
+        self._fresh = None
+        self._live_kv = kv
+
+    def int8_step(self) -> tuple | None:
+        """The operands of `sparsekv.int8_attention.decode_attention` (after the mask's `valid`)
+        for the INT8 decode step being attended, or None."""
+        if self._new_kv is None:
+            return None
+        slot = torch.full((1,), self.keys.shape[-2] - 1, dtype=torch.long, device=self.device)
+        return (self.keys, self.key_scale, self.values, self.value_scale, *self._new_kv, slot)
+
+    def dequantized_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The store of the INT8 decode step being attended, dequantized, with the step's own
+        entry at full precision: for an attention that cannot read int8 (eager, dropout, sinks)."""
+        new_k, new_v = self._new_kv
+        keys = dequantize(self.keys, self.key_scale)
+        values = dequantize(self.values, self.value_scale)
+        keys[:, :, -1:], values[:, :, -1:] = new_k, new_v
         return keys, values
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,6 +378,7 @@ class EvictingLayer(DynamicLayer):
 
     def observe(self, module, query, kv_mask, scaling, softcap) -> None:
         """After attention: score the new entries, then evict as the step's phase requires."""
+        self._new_kv = None  # attended
         phase = "prefill" if self.num_new > 1 else "decode"
         repeat = self.shared.repeat
         if repeat is not None or (phase == "prefill" and self.shared.policy.scores_after_prefill):

@@ -190,9 +190,6 @@ class StaticSlots:
         self._pos: torch.Tensor | None = None  # (1, 1, 1) long on the device: its absolute position
         self._full = False  # no free slot is left for another decode token
         self._ready = False  # a first step was stored: decode steps may take the in-place path
-        self._new_kv: tuple | None = None  # an INT8 decode step's own key and value, full precision
-        self._fresh: tuple | None = None  # the same, until `_live` is first read after the step
-        self._live_kv: tuple | None = None
         super().__init__(shared, layer_idx, budget_rank, fraction)
 
     @property
@@ -291,25 +288,6 @@ class StaticSlots:
         keys = dequantize(buf["keys"], buf["key_scale"]).index_copy_(2, self._slot, new_k)
         values = dequantize(buf["values"], buf["value_scale"]).index_copy_(2, self._slot, new_v)
         return keys, values
-
-    @property
-    def _live(self):
-        """This step's keys and values at full precision (`EvictingLayer.dense`). After an INT8
-        decode step they are built on the first read only: the dequantized prefix with the
-        step's own entry, the last one, put back at full precision."""
-        if self._fresh is not None:
-            new_k, new_v = self._fresh
-            dequantize = self.codec[1]
-            keys = dequantize(self.keys, self.key_scale)
-            values = dequantize(self.values, self.value_scale)
-            keys[:, :, -1:], values[:, :, -1:] = new_k, new_v
-            self._live = (keys, values)
-        return self._live_kv
-
-    @_live.setter
-    def _live(self, kv) -> None:
-        self._fresh = None
-        self._live_kv = kv
 
     def query_offset(self) -> torch.Tensor | None:
         """Tokens seen, as a 0-d device tensor (what transformers' mask preparation reads; a

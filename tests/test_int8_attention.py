@@ -20,6 +20,7 @@ import torch
 from conftest import tiny_model
 
 from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, policies
+from sparsekv import attention as attn_mod
 from sparsekv import cache as cache_mod
 from sparsekv.cache import dequantize, quantize
 from sparsekv.int8_attention import SPLIT_BLOCK, decode_attention, split_size, triton_available
@@ -181,6 +182,51 @@ def test_int8_static_decoding_matches_the_dynamic_layout_with_a_policy_that_read
         cache.close()
     assert all(torch.equal(a, b) for a, b in zip(kept["dynamic"], kept["static"]))
     assert (logits["dynamic"] - logits["static"]).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("layout", ["dynamic", "static"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("name", ["snapkv", "learned"])
+def test_int8_decoding_reading_int8_equals_the_dequantized_path(layout, padded, name, monkeypatch):
+    """The decode attention that reads the int8 store against the computation before it (the
+    dequantized copy with the step's own entry at full precision, then sdpa; what an attention
+    that cannot read int8 still gets). Same model, float64: the same kept entries and logits
+    within 1e-10 at every decode step, evictions and re-ranks included, with and without left
+    padding."""
+    ids = torch.randint(3, 128, (3, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :7], mask[2, :13] = 0, 0
+    model = tiny_model("mistral").double()
+    got, reads = {}, []
+    real = attn_mod.int8_decode
+    monkeypatch.setattr(attn_mod, "int8_decode", lambda *a, **k: reads.append(1) or real(*a, **k))
+    for path in ("int8", "dequantized"):
+        if path == "dequantized":
+            monkeypatch.setattr(attn_mod, "_plain", lambda kwargs: False)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            policy = (ScorerAdapter.for_model(model).policy(blend=0.5, kernel_size=3)
+                      if name == "learned" else policies.get(name))
+        cfg = EvictionConfig(budget=0.3, recent_window=4, sink_tokens=2, rerank_every=5,
+                             evict_slack=2, prefill_chunk=16, layout=layout, max_length=128,
+                             quantize="int8")
+        cache = SparseKVCache(model, cfg, policy)
+        m = mask.clone()
+        out = [model(input_ids=ids, attention_mask=m, cache=cache).logits[:, -1]]
+        tok = out[-1].argmax(-1, keepdim=True)
+        for _ in range(14):
+            m = torch.cat([m, torch.ones_like(tok)], 1)
+            pos = (m.cumsum(-1) - 1)[:, -1:]
+            out.append(model(input_ids=tok, attention_mask=m, position_ids=pos, cache=cache).logits[:, -1])
+            tok = out[-1].argmax(-1, keepdim=True)
+        got[path] = ([cache.layers[i].positions.clone() for i in cache.budgeted_layers], torch.stack(out))
+        cache.close()
+        if path == "int8":  # every budgeted layer's every decode step read the int8 store
+            assert len(reads) == 14 * len(cache.budgeted_layers)
+    (k8, l8), (kd, ld) = got["int8"], got["dequantized"]
+    assert all(torch.equal(a, b) for a, b in zip(k8, kd))
+    assert (l8 - ld).abs().max() < 1e-10
 
 
 # ---- the Triton kernel, through Triton's interpreter on the CPU -------------------------------
