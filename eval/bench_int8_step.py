@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import SHAPES, build_model  # noqa: E402
+from bench_gpu import SHAPES, build_model
 
-from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache  # noqa: E402
-from sparsekv.default_model import resolve_dtype  # noqa: E402
+from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache
+from sparsekv.default_model import resolve_dtype
 
 
 def allocations(fn) -> tuple[int, int]:

@@ -48,9 +48,8 @@ from pathlib import Path
 import torch
 from bench_gpu import SHAPES, build_model
 
-from sparsekv import EvictionConfig, SparseKVCache
+from sparsekv import EvictionConfig, SparseKVCache, int8_attention
 from sparsekv import attention as sparse_attention
-from sparsekv import int8_attention
 from sparsekv.default_model import resolve_dtype
 from sparsekv.static_layer import finish_steps
 
