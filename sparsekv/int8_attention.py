@@ -168,10 +168,13 @@ SPLIT_BLOCK = 64
 
 def split_size(slots: int, programs: int, target: int = 1024) -> int:
     """Slots per split: enough splits that (sequence, KV head, split) programs number at least
-    `target` (a few per streaming multiprocessor), none shorter than 4 inner blocks."""
+    `target` (a few per streaming multiprocessor), none shorter than 4 inner blocks. A power of
+    two times `SPLIT_BLOCK`: the kernel is compiled per split size (a constant of its loop), so a
+    cache that grows every step (the dynamic layout) compiles a handful of variants, not one per
+    length."""
     splits = max(1, min(-(-slots // (4 * SPLIT_BLOCK)), -(-target // max(programs, 1))))
-    size = -(-slots // splits)
-    return -(-size // SPLIT_BLOCK) * SPLIT_BLOCK
+    blocks = -(-slots // (splits * SPLIT_BLOCK))
+    return SPLIT_BLOCK << (blocks - 1).bit_length()
 
 
 def _define_kernel():
