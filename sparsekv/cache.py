@@ -144,24 +144,22 @@ class EvictingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
         self._new_kv = None
-        if self.quantized and q == 1 and self.keys.shape[-2]:
-            # A decode step: sparsekv's attention reads the int8 store itself (`int8_step`) and
-            # the step's own entry at full precision; the scoring dequantizes only if it reads
+        if self.quantized:
+            # Stored as int8 with one scale per token and head. A decode step: sparsekv's
+            # attention reads the int8 store itself (`int8_step`) and the step's own entry at full
+            # precision, and the scoring dequantizes only if it reads. A multi-token step attends
+            # over the dequantized past plus the new entries at full precision.
+            decode = q == 1 and self.keys.shape[-2] > 0
+            if not decode:
+                keys = torch.cat([dequantize(self.keys, self.key_scale), key_states], dim=-2)
+                values = torch.cat([dequantize(self.values, self.value_scale), value_states], dim=-2)
             kq, ks = quantize(key_states)
             vq, vs = quantize(value_states)
             self.keys, self.key_scale = torch.cat([self.keys, kq], -2), torch.cat([self.key_scale, ks], -2)
             self.values, self.value_scale = torch.cat([self.values, vq], -2), torch.cat([self.value_scale, vs], -2)
-            keys, values = self.keys, self.values
-            self._new_kv = (key_states, value_states)
-        elif self.quantized:
-            # Stored as int8 with one scale per token and head; this step attends over the
-            # dequantized past plus the new entries at full precision.
-            keys = torch.cat([dequantize(self.keys, self.key_scale), key_states], dim=-2)
-            values = torch.cat([dequantize(self.values, self.value_scale), value_states], dim=-2)
-            kq, ks = quantize(key_states)
-            vq, vs = quantize(value_states)
-            self.keys, self.key_scale = torch.cat([self.keys, kq], -2), torch.cat([self.key_scale, ks], -2)
-            self.values, self.value_scale = torch.cat([self.values, vq], -2), torch.cat([self.value_scale, vs], -2)
+            if decode:
+                keys, values = self.keys, self.values
+                self._new_kv = (key_states, value_states)
         else:
             keys = self.keys = torch.cat([self.keys, key_states], dim=-2)
             values = self.values = torch.cat([self.values, value_states], dim=-2)
@@ -184,11 +182,7 @@ class EvictingLayer(DynamicLayer):
         they are built on the first read only: the dequantized store with the step's own entry,
         the last one, put back at full precision (what attention saw)."""
         if self._fresh is not None:
-            new_k, new_v = self._fresh
-            keys = dequantize(self.keys, self.key_scale)
-            values = dequantize(self.values, self.value_scale)
-            keys[:, :, -1:], values[:, :, -1:] = new_k, new_v
-            self._live = (keys, values)
+            self._live = self._dequantized_with(*self._fresh)
         return self._live_kv
 
     @_live.setter
@@ -207,7 +201,10 @@ class EvictingLayer(DynamicLayer):
     def dequantized_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The store of the INT8 decode step being attended, dequantized, with the step's own
         entry at full precision: for an attention that cannot read int8 (eager, dropout, sinks)."""
-        new_k, new_v = self._new_kv
+        return self._dequantized_with(*self._new_kv)
+
+    def _dequantized_with(self, new_k: torch.Tensor, new_v: torch.Tensor) -> tuple:
+        """The dequantized store with its last entry, a decode step's own, at full precision."""
         keys = dequantize(self.keys, self.key_scale)
         values = dequantize(self.values, self.value_scale)
         keys[:, :, -1:], values[:, :, -1:] = new_k, new_v

@@ -275,7 +275,7 @@ class StaticSlots:
     def int8_step(self) -> tuple | None:
         """The operands of `sparsekv.int8_attention.decode_attention` for the INT8 decode step in
         flight (after the mask's `valid`), or None when there is none."""
-        if self._step is None or not self.quantized or self._new_kv is None:
+        if self._new_kv is None:  # set by an INT8 decode step, cleared by its `finish_step`
             return None
         buf = self._slots.buf
         return (buf["keys"], buf["key_scale"], buf["values"], buf["value_scale"], *self._new_kv, self._slot)
