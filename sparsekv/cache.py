@@ -116,6 +116,7 @@ class EvictingLayer(DynamicLayer):
         self.hidden: torch.Tensor | None = None
         self.has_padding = False
         self.decode_steps = 0
+        self.arrivals_in_forward = 0  # decode steps the static layout scored inside the forward
         self.evicted = False
         self.quantized = shared.config.quantize == "int8"
         self.key_scale: torch.Tensor | None = None  # (batch, kv_heads, stored, 1) when quantized
@@ -224,6 +225,10 @@ class EvictingLayer(DynamicLayer):
             return 0
         extra = 0 if self.key_scale is None else self.key_scale.nbytes + self.value_scale.nbytes
         return self.keys.nbytes + self.values.nbytes + extra
+
+    def stored(self) -> int:
+        """Entries stored per KV head (0 before the first step)."""
+        return self.keys.shape[-2] if self.is_initialized else 0
 
     def get_seq_length(self) -> int:
         """Tokens seen (not stored): what positions and generation need."""
@@ -430,7 +435,7 @@ class EvictingLayer(DynamicLayer):
         self._score_and_evict("prefill", None, attention)
 
     def _score_and_evict(self, phase: str, query, att) -> None:
-        policy, cfg = self.shared.policy, self.shared.config
+        policy = self.shared.policy
         if policy.tracks_observed and att is not None:
             grown = torch.zeros_like(att)
             if self.observed is not None:
@@ -438,6 +443,12 @@ class EvictingLayer(DynamicLayer):
             self.observed = grown + att
         self._set_scores(policy.score(self._context(phase, query, att)))
         self.num_new, self.hidden, self._live = 0, None, None
+        self._evict_after(phase)
+
+    def _evict_after(self, phase: str) -> None:
+        """Once a step's entries are scored: evict as its phase requires (see the module
+        docstring), counting decode steps towards the next re-rank."""
+        policy, cfg = self.shared.policy, self.shared.config
         if not policy.evicts:
             return
         if phase == "prefill":
@@ -446,7 +457,7 @@ class EvictingLayer(DynamicLayer):
         self.decode_steps += 1
         if cfg.rerank_every and self.decode_steps >= cfg.rerank_every:
             self.rerank()
-        elif self.keys.shape[-2] > self.capacity() + cfg.evict_slack:
+        elif self.stored() > self.capacity() + cfg.evict_slack:
             self.evict(self.capacity())
 
     def rerank(self) -> None:

@@ -196,6 +196,9 @@ class StaticSlots:
     def slots(self) -> int:
         return self._slots.slots
 
+    def stored(self) -> int:
+        return self._slots.length()
+
     # ---- writing ----------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append this step's keys/values `(batch, kv_heads, q, head_dim)`; returns what the
@@ -322,10 +325,48 @@ class StaticSlots:
         return super().attention_mask(q, explicit_causal)
 
     def observe(self, module, query, kv_mask, scaling, softcap) -> None:
-        if self._step is not None:  # decode: keep the query; scored after the forward
-            self._step = (*self._step[:2], query, scaling, softcap)
+        if self._step is not None:  # decode: keep the query; scored here or after the forward
+            scored = self._score_arrival()
+            self._step = (*self._step[:2], query, scaling, softcap, scored)
+            # the next free slot and position, on the device (`finish_step` counts on the host)
+            self._slot.add_(1)
+            self._pos.add_(1)
             return
         super().observe(module, query, kv_mask, scaling, softcap)
+
+    def _score_arrival(self) -> bool:
+        """Inside a decode step's forward: write the policy's score of the new entry into its
+        slot when the policy scores an arrival from its own inputs (`Policy.score_arrival`) and
+        the step needs no attention statistics; True if written (then nothing is scored after
+        the forward)."""
+        shared = self.shared
+        policy = shared.policy
+        if (
+            not policy.evicts
+            or policy.tracks_observed
+            or policy.attention_queries is not None
+            or shared.record
+            or shared.repeat is not None
+            or "scores" not in self._slots.buf
+        ):
+            return False
+        hidden = None
+        if policy.needs_hidden_states:
+            hidden = shared.first_hidden if policy.hidden_from_first else self.hidden
+            if hidden is None:
+                return False
+        buf = self._slots.buf
+        new = policy.score_arrival(self.layer_idx, hidden, buf["positions"].index_select(2, self._slot))
+        if new is None:
+            return False
+        expected = (*buf["scores"].shape[:2], 1)
+        if tuple(new.shape) != expected:
+            raise ValueError(
+                f"policy {policy.name!r} returned an arrival score of shape {tuple(new.shape)}; "
+                f"expected (batch, kv_heads, 1) = {expected}"
+            )
+        buf["scores"].index_copy_(2, self._slot, torch.nan_to_num(new.float(), nan=float("-inf")))
+        return True
 
     def finish_step(self) -> None:
         """Score and evict the decode step the forward left: the default layout's computation,
@@ -335,26 +376,34 @@ class StaticSlots:
             if self._ready and self._slots.changed:
                 self._refresh()  # here, eagerly, not inside the next (compiled) decode step
             return
-        if len(step) != 5:
+        if len(step) != 6:
             raise RuntimeError(
                 f"layer {self.layer_idx}: a decode step was written but never attended over"
             )
-        keys, values, query, scaling, softcap = step
+        keys, values, query, scaling, softcap, scored = step
         s = self._slots
         n = s.length() + 1
         for name in ("keys", "values", "positions") + (
             ("key_scale", "value_scale") if self.quantized else ()
-        ):
+        ) + (("scores",) if scored else ()):
             s.len[name] = n
-        s.changed = True
         self.seen += 1
-        if self.quantized:  # `keys` are the int8 slots (or their dequantized copy)
-            self._live, self._fresh, self._new_kv = None, self._new_kv, None
+        if scored:  # scored inside the forward: only the eviction decision is left
+            self.arrivals_in_forward += 1
+            self._new_kv, self._live = None, None
+            self.num_new, self.hidden = 0, None
+            self._evict_after("decode")
         else:
-            self._live = (keys[:, :, :n], values[:, :, :n])
-        kv_mask = super().attention_mask(1, explicit_causal=False)
-        super().observe(None, query, kv_mask, scaling, softcap)
-        self._refresh()
+            if self.quantized:  # `keys` are the int8 slots (or their dequantized copy)
+                self._live, self._fresh, self._new_kv = None, self._new_kv, None
+            else:
+                self._live = (keys[:, :, :n], values[:, :, :n])
+            kv_mask = super().attention_mask(1, explicit_causal=False)
+            super().observe(None, query, kv_mask, scaling, softcap)
+        if s.changed:  # an eviction moved the entries: point the slot index at the new end
+            self._refresh()
+        else:  # the forward advanced the slot index and position on the device
+            self._full = s.length() >= s.slots
 
     # ---- measurements and transformers' protocol --------------------------------------------
     def nbytes(self) -> int:

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
 
 import bench_gpu  # noqa: E402
 import bench_int8_step  # noqa: E402
+import bench_step_ops  # noqa: E402
 import bench_teacher  # noqa: E402
 
 
@@ -66,6 +67,24 @@ def test_bench_int8_step_reports_no_layer_copy_on_cpu(tmp_path):
     assert row["layer_dequantized_key_bytes"] == 2 * 2 * row["slots"] * 32 * 4
     assert 0 < row["step_largest_allocation"] < row["layer_dequantized_key_bytes"] // 2
     assert row["step_allocated_bytes"] >= row["step_largest_allocation"] and row["ms_per_step"] > 0
+
+
+@pytest.mark.parametrize("policy", ["learned", "knorm"])
+def test_bench_step_ops_counts_the_work_between_decode_steps(tmp_path, policy):
+    """The learned policy (blend 0) scores decode steps inside the forward: between two steps
+    that evict nothing the cache dispatches no tensor op; key-norm is scored after the forward.
+    Eviction steps do work for both (measured: the counts come from a dispatch mode)."""
+    out = tmp_path / "row.json"
+    rc = bench_step_ops.main(["--layers", "2", "--batch", "2", "--prompt", "512", "--chunk", "64",
+                              "--steps", "20", "--json", str(out)] + ["--policy", policy])
+    assert rc == 0
+    ops = json.loads(out.read_text())["ops"]
+    assert ops["steps"] == 20 and 0 < ops["evicting_steps"] < 20
+    assert ops["after_ops_evicting"] > 0 and ops["forward_ops_other"] > 0
+    if policy == "learned":
+        assert ops["after_ops_other"] == 0 and ops["scored_in_forward"] == ops["layer_steps"] == 40
+    else:
+        assert ops["after_ops_other"] > 0 and ops["scored_in_forward"] == 0
 
 
 def test_bench_int8_step_rejects_bad_counts():

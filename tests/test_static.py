@@ -44,10 +44,12 @@ def _left_padded(b=3, n=48, seed=1):
 
 
 def _policy(name: str, model):
-    if name == "learned":  # an untrained head (the same for both layouts): random but real scores
+    if name.startswith("learned"):  # an untrained head (the same for both layouts): random but real scores
         with torch.random.fork_rng():
             torch.manual_seed(0)
             adapter = ScorerAdapter.for_model(model)
+        if name == "learned0":  # blend 0: decode steps are scored inside the forward
+            return adapter.policy(blend=0.0, recency=0.5, kernel_size=3, span_fill=2)
         return adapter.policy(blend=0.5, head_layer="first", kernel_size=3)
     return policies.get(name)
 
@@ -96,7 +98,45 @@ def test_every_policy_keeps_the_same_set_and_logits(family, name):
     sta.close()
 
 
-@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "learned"])
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("name", ["learned0", "streaming"])
+def test_arrivals_scored_in_the_forward_keep_the_same_set_and_logits(family, name, quantize):
+    """Policies with `score_arrival` (the learned one without blending, StreamingLLM): the static
+    layout scores each decode step inside the forward and only decides evictions after it."""
+    model = tiny_model(family).double()
+    steps = [40] + [1] * 24
+    sta = _assert_same_steps(model, _ids(), steps, name, quantize=quantize)
+    for i in sta.budgeted_layers:  # every decode step of every budgeted layer took that path
+        assert sta.layers[i].arrivals_in_forward == 24, i
+    sta.close()
+
+
+def test_a_policy_without_score_arrival_is_scored_after_the_forward():
+    model = tiny_model("llama").double()
+    sta = _assert_same_steps(model, _ids(), [40] + [1] * 8, "knorm")
+    assert all(sta.layers[i].arrivals_in_forward == 0 for i in sta.budgeted_layers)
+    sta.close()
+
+
+def test_learned_score_arrival_is_what_score_gives_the_new_entry():
+    model = tiny_model("llama")
+    policy = _policy("learned0", model)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 1, model.config.hidden_size, generator=g)
+    positions = torch.tensor([[[57]], [[-1]]]).expand(2, model.config.num_key_value_heads, 1)
+    prev = torch.randn(2, positions.shape[1], 9, generator=g)
+    ctx = policies.ScoreContext(
+        layer_idx=0, phase="decode", keys=None, values=None,
+        positions=torch.cat([torch.zeros(2, positions.shape[1], 9, dtype=torch.long), positions], -1),
+        num_new=1, tokens_seen=58, prev_scores=prev, hidden_states=hidden,
+    )
+    full = policy.score(ctx)
+    assert torch.equal(full[..., :9], prev)
+    assert torch.equal(full[..., 9:], policy.score_arrival(0, hidden, positions))
+    assert policies.get("snapkv").score_arrival(0, None, positions) is None  # reads attention
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "learned", "learned0"])
 def test_left_padding_keeps_the_same_set_and_logits(name):
     model = tiny_model("llama").double()
     ids, mask = _left_padded()
@@ -264,11 +304,15 @@ def test_config_round_trips_with_the_layout():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, quantize", [("snapkv", None), ("learned", None), ("learned", "int8")])
+@pytest.mark.parametrize(
+    "name, quantize",
+    [("snapkv", None), ("learned", None), ("learned", "int8"), ("learned0", None), ("learned0", "int8")],
+)
 def test_compiled_decode_step_generates_the_same_tokens(name, quantize):
     """`model.forward` compiled; decode steps pass `position_ids`, so the compiled graph sees
-    fixed shapes only: scoring and eviction run eagerly after it (the forward hook). One graph,
-    no graph break, no recompilation across 24 steps with evictions and re-ranks."""
+    fixed shapes only: scoring (or, for "learned0", only the eviction decisions) and eviction run
+    eagerly after it (the forward hook). One graph, no graph break, no recompilation across 24
+    steps with evictions and re-ranks."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

@@ -203,6 +203,24 @@ class Policy:
         """Return `(batch, kv_heads, seq)` scores for every stored entry; higher = keep."""
         raise NotImplementedError
 
+    def score_arrival(
+        self, layer_idx: int, hidden_states: torch.Tensor | None, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The score of a decode step's one new entry from that entry's own inputs, `(batch,
+        kv_heads, 1)`, or None (the default) when this policy's decode score needs more.
+
+        Returning a tensor promises that `score(ctx)` at a decode step whose context carries no
+        attention equals `ctx.carry()` with this tensor in the new entry's place: the old entries
+        keep their scores. The static layout then scores decode steps inside the model's forward
+        (fixed shapes, so a compiled or graph-captured step includes the scoring) and runs no
+        scoring between steps; it asks only when the cache computes no attention statistics for
+        the step (`attention_queries` None, no `tracks_observed`). So it must not read host values
+        that change from step to step. `hidden_states` `(batch, 1, hidden)`: the layer's attention
+        inputs (the first budgeted layer's with `hidden_from_first`), None unless
+        `needs_hidden_states`; `positions` `(batch, kv_heads, 1)`: the entry's absolute position
+        (-1 = padding)."""
+        return None
+
     def check_model(self, shape: Any) -> None:
         """Raise ValueError if this policy cannot score `shape` (a `ModelShape`); the cache calls
         it when built. Policies not fitted to a model accept any."""

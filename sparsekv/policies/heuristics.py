@@ -57,6 +57,9 @@ class StreamingPolicy(Policy):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         return ctx.positions.float()
 
+    def score_arrival(self, layer_idx, hidden_states, positions) -> torch.Tensor:
+        return positions.float()
+
 
 @register("h2o")
 class H2OPolicy(Policy):

@@ -248,6 +248,15 @@ class LearnedPolicy(Policy):
             self._words = _model_words(ctx.model, self.span_words)
         return word_starts(ctx.input_ids, self._words)
 
+    def score_arrival(self, layer_idx, hidden_states, positions) -> torch.Tensor:
+        """What `score` gives a decode step's one new entry: pooling and span filling leave a
+        single token's logit as it is, and no observed attention enters before a re-rank."""
+        layer = layer_idx if self._first_layer is None else self._first_layer
+        new = self.adapter.score_layer(layer, hidden_states).to(torch.float32)
+        if self.recency:
+            new = new + self.recency / 1000.0 * positions.to(torch.float32)
+        return new
+
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         out = ctx.carry()
         if ctx.num_new:
