@@ -15,7 +15,9 @@ forward eagerly (with `position_ids`), then the cache's post-forward work (`fini
 both are counted with a `TorchDispatchMode` (every aten op, views included) in a first pass and
 timed without it in a second (`--steps` each, after the prefill). Reported per pass: steps
 that evicted or re-ranked, and the ops and milliseconds of the post-forward work on the other
-steps and on those.
+steps and on those; from the counting pass also the largest tensor that work allocated and
+the bytes it allocated per step, next to the bytes of one layer's key buffer (an eviction that
+gathers the kept keys into new tensors allocates that much).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import SHAPES
@@ -41,15 +44,27 @@ NARROW = dict(hidden_size=256, intermediate_size=256, vocab_size=1024, head_dim=
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside the `with` block."""
+    """Counts the aten ops dispatched inside the `with` block, and the bytes of the new
+    storages they return (`largest`, `allocated`; views and in-place results are not new)."""
 
     def __init__(self):
         super().__init__()
-        self.ops = 0
+        self.ops = self.largest = self.allocated = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         self.ops += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                size = t.untyped_storage().nbytes()
+                self.largest, self.allocated = max(self.largest, size), self.allocated + size
+        return out
 
 
 def build(width: str, dtype: torch.dtype, device: str, layers: int | None = None):
@@ -125,6 +140,11 @@ def run_pass(model, args, count: bool) -> list[dict]:
                     else:
                         finish(cache)
                 parts[part] = counter.ops if count else (sync(args.device) - t0) * 1e3
+                if count and part == "after":
+                    parts["after_largest"], parts["after_allocated"] = (
+                        counter.largest,
+                        counter.allocated,
+                    )
             # a layer evicted (or re-ranked) when it kept fewer than it held plus the new entry,
             # or when its decode-step counter restarted
             evicted = any(layer.stored() < n + 1 for layer, n in zip(layers, before)) or (
@@ -135,7 +155,14 @@ def run_pass(model, args, count: bool) -> list[dict]:
         static_layer.finish_steps = finish
         scored = sum(layer.arrivals_in_forward for layer in layers)
         cache.close()
-    rows.append({"scored_in_forward": scored, "layer_steps": len(layers) * args.steps})
+    keys = layers[0]._slots.buf["keys"]
+    rows.append(
+        {
+            "scored_in_forward": scored,
+            "layer_steps": len(layers) * args.steps,
+            "layer_key_bytes": keys.numel() * keys.element_size(),
+        }
+    )
     return rows
 
 
@@ -147,6 +174,12 @@ def summary(rows: list[dict], unit: str) -> dict:
         for part in ("forward", "after"):
             vals = [r[part] for r in sel]
             out[f"{part}_{unit}_{kind}"] = round(statistics.mean(vals), 3) if vals else None
+        if unit == "ops":  # bytes of new tensors made by the post-forward work, per step
+            out[f"after_largest_allocation_{kind}"] = max(
+                (r["after_largest"] for r in sel), default=None
+            )
+            vals = [r["after_allocated"] for r in sel]
+            out[f"after_allocated_bytes_{kind}"] = round(statistics.mean(vals)) if vals else None
     after = [r["after"] for r in steps]
     out[f"after_{unit}_mean"] = round(statistics.mean(after), 3)
     return out

@@ -308,7 +308,7 @@ class EvictingLayer(DynamicLayer):
         None means no mask is needed: a single query, or a first chunk when the attention kernel
         applies causality itself (`explicit_causal=False`, sdpa).
         """
-        stored = self.keys.shape[-2]
+        stored = self.stored()
         if not self.has_padding:
             if q == 1 or (q == stored and not explicit_causal):
                 return None
@@ -324,7 +324,7 @@ class EvictingLayer(DynamicLayer):
         return layer_capacity(self.shared.config, self.fraction, self.seen)
 
     def _context(self, phase: str, query=None, attention=None) -> ScoreContext:
-        n_old = self.keys.shape[-2] - self.num_new
+        n_old = self.stored() - self.num_new
         prev = None if self.scores is None else self.scores[..., :n_old]
         dense = functools.cache(self.dense)  # read while this step's entries are live
         return ScoreContext(
@@ -481,7 +481,7 @@ class EvictingLayer(DynamicLayer):
 
     def evict(self, capacity: int) -> None:
         """Keep the `capacity` best entries per head (at least the protected ones)."""
-        stored = self.keys.shape[-2]
+        stored = self.stored()
         if stored <= capacity:
             return
         prot = self.protected()
@@ -615,7 +615,11 @@ class SparseKVCache(Cache):
     def layer_lengths(self) -> list[int]:
         """Entries stored per layer (sliding layers included)."""
         return [
-            layer.keys.shape[-2] if getattr(layer, "is_initialized", False) and layer.keys is not None else 0
+            layer.stored()
+            if isinstance(layer, EvictingLayer)
+            else layer.keys.shape[-2]
+            if getattr(layer, "is_initialized", False) and layer.keys is not None
+            else 0
             for layer in self.layers
         ]
 

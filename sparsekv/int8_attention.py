@@ -88,8 +88,9 @@ def decode_attention(
 
     query `(batch, heads, 1, dim)`; kq, vq int8 `(batch, kv_heads, slots, dim)`; ks, vs
     `(batch, kv_heads, slots, 1)`; valid bool `(batch, kv_heads, slots)` (True = may attend);
-    new_key, new_value `(batch, kv_heads, 1, dim)` at full precision; slot `(1,)` long: where the
-    new entry was written (its int8 copy there is ignored). Returns `(batch, 1, heads, dim)` in
+    new_key, new_value `(batch, kv_heads, 1, dim)` at full precision; slot `(1,)` long, or
+    `(batch, kv_heads, 1)` long when each sequence and head wrote it elsewhere: where the new entry
+    was written (its int8 copy there is ignored). Returns `(batch, 1, heads, dim)` in
     the query's dtype (the layout transformers' attention functions return)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not supported; allowed values: {', '.join(KERNELS)}")
@@ -99,7 +100,10 @@ def decode_attention(
     elif kernel == "triton" and not triton_available():
         raise ValueError("kernel='triton' needs the triton package; use kernel='torch'")
     # the new entry's int8 copy at `slot` is replaced by the full-precision one (below)
-    valid = valid.index_fill(-1, slot, False)
+    if slot.ndim == 1:
+        valid = valid.index_fill(-1, slot, False)
+    else:  # one slot per sequence and KV head
+        valid = valid.scatter(-1, slot, False)
     if kernel == "triton":
         acc, m, lse = _triton_splits(query, kq, ks, vq, vs, valid, scaling, softcap)
     else:

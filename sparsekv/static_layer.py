@@ -46,6 +46,7 @@ import torch
 
 from sparsekv import attention as attn
 from sparsekv.config import EvictionConfig
+from sparsekv.policies.base import Policy
 from sparsekv.schedules import layer_capacity
 
 ENTRY_NAMES = ("keys", "values", "key_scale", "value_scale", "positions", "scores", "observed")
@@ -157,9 +158,15 @@ class _Entry:
         self.name = name
 
     def __get__(self, obj, owner=None):
-        return self if obj is None else obj._slots.view(self.name)
+        if obj is None:
+            return self
+        if self.name in _KV and getattr(obj, "_mapped", False):
+            obj._normalize()  # a read of the kept keys/values in their order (rare: see `_take`)
+        return obj._slots.view(self.name)
 
     def __set__(self, obj, value) -> None:
+        if self.name in _KV and getattr(obj, "_mapped", False):
+            obj._normalize()
         obj._slots.assign(self.name, value)
 
 
@@ -190,6 +197,14 @@ class StaticSlots:
         self._pos: torch.Tensor | None = None  # (1, 1, 1) long on the device: its absolute position
         self._full = False  # no free slot is left for another decode token
         self._ready = False  # a first step was stored: decode steps may take the in-place path
+        # Where the entries physically are (see `_take`): while `_mapped`, the key/value slots
+        # are not in the kept order; `slot_of` (a SlotBuffers entry) maps each kept entry to its
+        # slot, `_free` lists the free slots first, `_valid` marks the slots to attend.
+        self._mapped = False
+        self._free: torch.Tensor | None = None  # (batch, kv_heads, slots) int32
+        self._valid: torch.Tensor | None = None  # (batch, kv_heads, slots) bool
+        self._take_at: torch.Tensor | None = None  # (1,) long: the next decode token's index in _free
+        self._phys: torch.Tensor | None = None  # (batch, kv_heads, 1) long: its slot, this step
         super().__init__(shared, layer_idx, budget_rank, fraction)
 
     @property
@@ -198,6 +213,20 @@ class StaticSlots:
 
     def stored(self) -> int:
         return self._slots.length()
+
+    def _scores_arrivals(self) -> bool:
+        """The policy scores a decode step's entry from its own inputs (`Policy.score_arrival`)
+        and the cache computes no attention statistics: decode steps are scored in the forward
+        and evictions move no key or value (`_take`)."""
+        shared, policy = self.shared, self.shared.policy
+        return (
+            policy.evicts
+            and type(policy).score_arrival is not Policy.score_arrival
+            and not policy.tracks_observed
+            and policy.attention_queries is None
+            and not shared.record
+            and shared.repeat is None
+        )
 
     # ---- writing ----------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -218,9 +247,11 @@ class StaticSlots:
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._normalize()  # a multi-token step appends after the kept entries, in their order
         if self._slot is None:  # first step (or the first after `load_from`)
             self._slot = _static_address(torch.zeros(1, dtype=torch.long, device=self.device))
             self._pos = _static_address(torch.zeros(1, 1, 1, dtype=torch.long, device=self.device))
+            self._take_at = _static_address(torch.zeros(1, dtype=torch.long, device=self.device))
         b, h, q, _ = key_states.shape
         s, n = self._slots, self._slots.length()
         if n + q > s.slots:
@@ -242,6 +273,8 @@ class StaticSlots:
             torch.arange(self.seen, self.seen + q, device=self.device).expand(b, h, q),
         )
         self._live = (keys, values)
+        if self._map_fits():  # the slots are in the kept order: entry i is in slot i
+            s.len["slot_of"] = s.length()
         self.seen += q
         self._pos.fill_(self.seen)  # exact outside a decode step in flight (`query_offset`)
         self.num_new = q
@@ -253,23 +286,27 @@ class StaticSlots:
         return keys, values
 
     def _decode(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """One token into the next free slot; fixed shapes, no host reads of changing values."""
+        """One token into the next free slot; fixed shapes, no host reads of changing values.
+        `slot` is its index among the kept entries (positions, scores, `slot_of`), `phys` the
+        slot its key and value go to (the same while the slots are in the kept order)."""
         buf, slot = self._slots.buf, self._slot
         b, h = key_states.shape[:2]
+        phys = self._phys = self._free.index_select(2, self._take_at).long()  # (b, h, 1)
         if self.quantized:
             quantize = self.codec[0]
             (kq, ks), (vq, vs) = quantize(key_states), quantize(value_states)
-            for name, t in (("keys", kq), ("key_scale", ks), ("values", vq), ("value_scale", vs)):
-                buf[name].index_copy_(2, slot, t)
+            pairs = (("keys", kq), ("key_scale", ks), ("values", vq), ("value_scale", vs))
             # sparsekv's attention reads the int8 slots themselves (`int8_step`); this step
             # attends to its own entry at full precision, as the dynamic layout does
             self._new_kv = (key_states, value_states)
-            keys, values = buf["keys"], buf["values"]
         else:
-            buf["keys"].index_copy_(2, slot, key_states)
-            buf["values"].index_copy_(2, slot, value_states)
-            keys, values = buf["keys"], buf["values"]
+            pairs = (("keys", key_states), ("values", value_states))
+        for name, t in pairs:
+            buf[name].scatter_(2, phys[..., None].expand(t.shape), t)
+        keys, values = buf["keys"], buf["values"]
         buf["positions"].index_copy_(2, slot, self._pos.expand(b, h, 1))
+        buf["slot_of"].index_copy_(2, slot, phys.to(torch.int32))
+        self._valid.scatter_(2, phys, True)
         self._step = (keys, values)
         self.num_new = 1
         attn.announce_layer(self.layer_idx, self)
@@ -281,15 +318,16 @@ class StaticSlots:
         if self._new_kv is None:  # set by an INT8 decode step, cleared by its `finish_step`
             return None
         buf = self._slots.buf
-        return (buf["keys"], buf["key_scale"], buf["values"], buf["value_scale"], *self._new_kv, self._slot)
+        return (buf["keys"], buf["key_scale"], buf["values"], buf["value_scale"], *self._new_kv, self._phys)
 
     def dequantized_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All slots of the INT8 decode step in flight, dequantized, with the step's own entry at
         full precision: for an attention that cannot read int8 (eager, dropout, sinks)."""
         dequantize, buf = self.codec[1], self._slots.buf
         new_k, new_v = self._new_kv
-        keys = dequantize(buf["keys"], buf["key_scale"]).index_copy_(2, self._slot, new_k)
-        values = dequantize(buf["values"], buf["value_scale"]).index_copy_(2, self._slot, new_v)
+        at = self._phys[..., None]
+        keys = dequantize(buf["keys"], buf["key_scale"]).scatter_(2, at.expand(new_k.shape), new_k)
+        values = dequantize(buf["values"], buf["value_scale"]).scatter_(2, at.expand(new_v.shape), new_v)
         return keys, values
 
     def query_offset(self) -> torch.Tensor | None:
@@ -299,13 +337,82 @@ class StaticSlots:
         return self._pos.view(()) if self._ready else None
 
     def _refresh(self) -> None:
-        """Point the device-side slot index at the first free slot (no host sync)."""
+        """Point the device-side indices at the next entry and its slot (no host sync)."""
         n = self._slots.length()
         self._full = n >= self._slots.slots
         if not self._full:
             self._slot.fill_(n)
         self._pos.fill_(self.seen)
+        if not self._mapped:
+            self._reset_map()
         self._slots.changed = False
+
+    def _reset_map(self) -> None:
+        """The slots are in the kept order: entry i in slot i, the free slots after the last,
+        the slots to attend those whose position is >= 0 (allocated on first use and when the
+        batch changes)."""
+        s = self._slots
+        pos = s.buf.get("positions")
+        if pos is None:
+            return
+        if self._free is None or self._free.shape != pos.shape or self._free.device != pos.device:
+            order = torch.arange(pos.shape[-1], dtype=torch.int32, device=pos.device).expand(pos.shape)
+            self._free = _static_address(order.contiguous())
+            s.buf["slot_of"] = _static_address(order.contiguous())
+            self._valid = _static_address(torch.zeros(pos.shape, dtype=torch.bool, device=pos.device))
+        s.len["slot_of"] = s.length()
+        torch.ge(pos, 0, out=self._valid)
+        self._take_at.fill_(s.length())
+
+    def _map_fits(self) -> bool:
+        """The slot map exists for the buffers' batch (`_reset_map` makes it at a refresh)."""
+        pos = self._slots.buf.get("positions")
+        return self._free is not None and pos is not None and self._free.shape == pos.shape
+
+    def _normalize(self) -> None:
+        """Put the kept keys and values back in the kept order (slot i holds entry i): one
+        gather of the layer, for a step that reads them in that order (a multi-token step, a
+        policy or a batch operation that reads `keys`)."""
+        if not self._mapped:
+            return
+        self._mapped = False
+        s = self._slots
+        n = s.length("slot_of")
+        where = s.buf["slot_of"][:, :, :n].long()
+        for name in _KV:
+            b = s.buf.get(name)
+            if b is not None:
+                b[:, :, :n] = b.gather(2, where[..., None].expand(-1, -1, -1, b.shape[-1]))
+        order = torch.arange(s.slots, dtype=torch.int32, device=where.device).expand(self._free.shape)
+        self._free.copy_(order)
+        s.buf["slot_of"].copy_(order)
+        self._reset_map()
+
+    def _take(self, index) -> None:
+        """Keep entries `index` (`(batch, heads, k)` sorted indices, or a slice). When decode steps
+        are scored in the forward (`_scores_arrivals`), the kept keys and values stay in their
+        slots: only the per-entry scalars (positions, scores, `slot_of`) are gathered into the
+        kept order, the freed slots join the free list and are masked, and the next decode tokens
+        go there (`_decode`). Other policies read the keys in the kept order, so their evictions
+        gather every per-entry tensor (`EvictingLayer._take`)."""
+        if isinstance(index, slice) or not self._scores_arrivals() or not self._map_fits():
+            super()._take(index)
+            return
+        s = self._slots
+        for name in ("positions", "scores", "observed", "slot_of"):
+            t = s.view(name)
+            if t is not None:
+                s.assign(name, t.gather(2, index))
+        for name in _KV:
+            if name in s.buf:
+                s.len[name] = index.shape[-1]
+        s.changed = True
+        where = s.view("slot_of").long()
+        occupied = torch.zeros_like(self._valid).scatter_(2, where, True)
+        self._valid.zero_().scatter_(2, where, s.view("positions") >= 0)  # padding stays masked
+        self._free.copy_(torch.sort(occupied.to(torch.uint8), dim=-1, stable=True).indices)
+        self._take_at.zero_()
+        self._mapped = True
 
     def _overflow_message(self, need: int, q: int = 1) -> str:
         cfg = self.shared.config
@@ -320,16 +427,17 @@ class StaticSlots:
 
     # ---- attention and scoring --------------------------------------------------------------
     def attention_mask(self, q: int, explicit_causal: bool) -> torch.Tensor | None:
-        if self._step is not None:  # a decode step over all slots: empty and padding ones are -1
-            return (self._slots.buf["positions"] >= 0)[:, :, None, :]
+        if self._step is not None:  # a decode step over all slots: empty and padding ones masked
+            return self._valid[:, :, None, :]
         return super().attention_mask(q, explicit_causal)
 
     def observe(self, module, query, kv_mask, scaling, softcap) -> None:
         if self._step is not None:  # decode: keep the query; scored here or after the forward
             scored = self._score_arrival()
             self._step = (*self._step[:2], query, scaling, softcap, scored)
-            # the next free slot and position, on the device (`finish_step` counts on the host)
+            # the next entry, slot and position, on the device (`finish_step` counts on the host)
             self._slot.add_(1)
+            self._take_at.add_(1)
             self._pos.add_(1)
             return
         super().observe(module, query, kv_mask, scaling, softcap)
@@ -341,14 +449,7 @@ class StaticSlots:
         the forward)."""
         shared = self.shared
         policy = shared.policy
-        if (
-            not policy.evicts
-            or policy.tracks_observed
-            or policy.attention_queries is not None
-            or shared.record
-            or shared.repeat is not None
-            or "scores" not in self._slots.buf
-        ):
+        if not self._scores_arrivals() or "scores" not in self._slots.buf:
             return False
         hidden = None
         if policy.needs_hidden_states:
@@ -383,7 +484,7 @@ class StaticSlots:
         keys, values, query, scaling, softcap, scored = step
         s = self._slots
         n = s.length() + 1
-        for name in ("keys", "values", "positions") + (
+        for name in ("keys", "values", "positions", "slot_of") + (
             ("key_scale", "value_scale") if self.quantized else ()
         ) + (("scores",) if scored else ()):
             s.len[name] = n
@@ -396,6 +497,8 @@ class StaticSlots:
         else:
             if self.quantized:  # `keys` are the int8 slots (or their dequantized copy)
                 self._live, self._fresh, self._new_kv = None, self._new_kv, None
+            elif self._mapped:  # read through `keys` (in the kept order) if the policy reads
+                self._live = None
             else:
                 self._live = (keys[:, :, :n], values[:, :, :n])
             kv_mask = super().attention_mask(1, explicit_causal=False)

@@ -81,10 +81,14 @@ def test_bench_step_ops_counts_the_work_between_decode_steps(tmp_path, policy):
     ops = json.loads(out.read_text())["ops"]
     assert ops["steps"] == 20 and 0 < ops["evicting_steps"] < 20
     assert ops["after_ops_evicting"] > 0 and ops["forward_ops_other"] > 0
-    if policy == "learned":
+    keys = ops["layer_key_bytes"]
+    if policy == "learned":  # evictions gather no key or value: nothing near a layer's keys
         assert ops["after_ops_other"] == 0 and ops["scored_in_forward"] == ops["layer_steps"] == 40
-    else:
+        assert ops["after_allocated_bytes_other"] == 0
+        assert 0 < ops["after_largest_allocation_evicting"] < keys // 8
+    else:  # knorm reads the keys in the kept order: its evictions gather them
         assert ops["after_ops_other"] > 0 and ops["scored_in_forward"] == 0
+        assert ops["after_largest_allocation_evicting"] > keys // 2
 
 
 def test_bench_int8_step_rejects_bad_counts():

@@ -37,9 +37,11 @@ def _ids(b=1, n=40, seed=0, device=CUDA):
 def _policy(name: str, model):
     if name == "kvzip":  # its repeat prompt through a character-level encoder (the tiny models have 128 ids)
         return policies.get("kvzip", encode=lambda text: [3 + ord(c) % 120 for c in text])
-    if name != "learned":
+    if not name.startswith("learned"):
         return policies.get(name)
     adapter = ScorerAdapter.for_model(model)  # untrained head: random but real scores
+    if name == "learned0":  # blend 0: scored inside the forward, evictions move no key or value
+        return adapter.to(model.device).policy(blend=0.0, recency=0.5, kernel_size=3)
     return adapter.to(model.device).policy(blend=0.5, head_layer="first", kernel_size=3)
 
 
@@ -227,7 +229,7 @@ def _static_policies() -> list[str]:
     from sparsekv.policies.base import _REGISTRY
 
     return [p for p in policies.available()
-            if not getattr(_REGISTRY[p], "scores_after_prefill", False)]
+            if not getattr(_REGISTRY[p], "scores_after_prefill", False)] + ["learned0"]
 
 
 @pytest.mark.parametrize("name", _static_policies())
@@ -268,9 +270,11 @@ def test_static_layout_generates_in_bf16_on_cuda(family, quantize):
 
 @needs_cuda
 @pytest.mark.parametrize("quantize", [None, "int8"])
-def test_static_decode_steps_do_not_sync_with_the_host(quantize):
+@pytest.mark.parametrize("name", ["snapkv", "learned0"])
+def test_static_decode_steps_do_not_sync_with_the_host(name, quantize):
     model = tiny_model("llama").to(CUDA, torch.bfloat16)
-    cache = SparseKVCache(model, EvictionConfig(**{**STATIC, "quantize": quantize}), "snapkv")
+    cfg = EvictionConfig(**{**STATIC, "quantize": quantize})
+    cache = SparseKVCache(model, cfg, _policy(name, model))
     tok = model(input_ids=_ids(1, 64), cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
 
     def decode():
@@ -285,10 +289,12 @@ def test_static_decode_steps_do_not_sync_with_the_host(quantize):
 
 @needs_cuda
 @pytest.mark.parametrize("quantize", [None, "int8"])
-def test_static_decode_step_is_captured_in_cuda_graphs(quantize):
+@pytest.mark.parametrize("name", ["snapkv", "learned0"])
+def test_static_decode_step_is_captured_in_cuda_graphs(name, quantize):
     """model.forward compiled with mode="reduce-overhead": the decode step runs as CUDA graphs
     (no cudagraph skip, one compiled graph) and gives the eager tokens; with INT8 the step's
-    attention is the Triton kernel (`sparsekv.int8_attention`) inside the graph."""
+    attention is the Triton kernel (`sparsekv.int8_attention`) inside the graph; with
+    "learned0" the step's scoring and its writes to freed slots are in the graph too."""
     from torch._dynamo.utils import counters
 
     model = tiny_model("llama").to(CUDA, torch.float32)
@@ -298,7 +304,9 @@ def test_static_decode_step_is_captured_in_cuda_graphs(quantize):
         torch._dynamo.reset()
         counters.clear()
         cfg = EvictionConfig(**{**STATIC, "quantize": quantize})
-        cache = SparseKVCache(model, cfg, "snapkv")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same untrained head in both runs
+            cache = SparseKVCache(model, cfg, _policy(name, model))
         tok = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
         if compiled:
             model.forward = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)

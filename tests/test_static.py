@@ -108,6 +108,68 @@ def test_arrivals_scored_in_the_forward_keep_the_same_set_and_logits(family, nam
     sta = _assert_same_steps(model, _ids(), steps, name, quantize=quantize)
     for i in sta.budgeted_layers:  # every decode step of every budgeted layer took that path
         assert sta.layers[i].arrivals_in_forward == 24, i
+        assert sta.layers[i]._mapped, i  # its evictions left the keys and values in their slots
+    sta.close()
+
+
+def test_evictions_leave_the_kept_keys_in_their_slots():
+    """With decode steps scored in the forward, an eviction gathers only per-entry scalars: every
+    kept entry's key and value stay in the slot they were written to, freed slots take the next
+    tokens, and reading `keys` (in the kept order) gives the kept entries' keys."""
+    model = tiny_model("llama").double()
+    cfg = EvictionConfig(**{**SMALL, "max_length": 128, "layout": "static"})
+    cache = SparseKVCache(model, cfg, _policy("learned0", model))
+    ids = _ids(2, 64)
+    model(input_ids=ids[:, :40], cache=cache)
+    layer = cache.layers[cache.budgeted_layers[0]]
+    written = {}  # (position, batch, head) -> (slot, key), as first seen
+    for t in range(40, 64):
+        model(input_ids=ids[:, t : t + 1], cache=cache)
+        buf = layer._slots.buf
+        where = buf["slot_of"][:, :, : layer.stored()].long()
+        pos = layer.positions
+        for b in range(2):
+            for h in range(pos.shape[1]):
+                for i in range(pos.shape[-1]):
+                    p, slot = int(pos[b, h, i]), int(where[b, h, i])
+                    key = buf["keys"][b, h, slot]
+                    if (p, b, h) in written:  # never moved since it was first seen there
+                        assert written[(p, b, h)][0] == slot, (t, p)
+                        assert torch.equal(written[(p, b, h)][1], key), (t, p)
+                    else:
+                        written[(p, b, h)] = (slot, key.clone())
+                    assert layer._valid[b, h, slot]
+        assert int(layer._valid.sum()) == 2 * pos.shape[1] * pos.shape[-1]  # nothing else attended
+    assert layer._mapped and layer.evicted
+    expected = buf["keys"].gather(2, where[..., None].expand(-1, -1, -1, buf["keys"].shape[-1]))
+    assert torch.equal(layer.keys, expected)  # read in the kept order: put back in that order
+    assert not layer._mapped and torch.equal(buf["keys"][:, :, : layer.stored()], expected)
+    cache.close()
+
+
+@pytest.mark.parametrize("op", ["repeat", "select"])
+def test_batch_operations_after_slot_mapped_evictions_match_the_dynamic_layout(op):
+    model = tiny_model("llama").double()
+    ids = _ids(2, 60)
+    dyn, sta = _pair(model, "learned0")
+    logits = []
+    for cache in (dyn, sta):
+        model(input_ids=ids[:, :40], cache=cache)
+        for t in range(40, 50):
+            model(input_ids=ids[:, t : t + 1], cache=cache)
+        if op == "repeat":
+            cache.batch_repeat_interleave(2)
+            more = ids[:, 50:].repeat_interleave(2, 0)
+        else:
+            cache.batch_select_indices(torch.tensor([1]))
+            more = ids[1:, 50:]
+        out = [model(input_ids=more[:, j : j + 1], cache=cache).logits for j in range(more.shape[1])]
+        logits.append(torch.cat(out, 1))
+    layer = sta.layers[sta.budgeted_layers[0]]
+    assert layer._mapped  # evictions after the batch operation went on without moving entries
+    assert torch.equal(dyn.layers[dyn.budgeted_layers[0]].positions, layer.positions)
+    assert (logits[0] - logits[1]).abs().max() < 1e-10
+    dyn.close()
     sta.close()
 
 
@@ -156,7 +218,7 @@ def test_left_padding_keeps_the_same_set_and_logits(name):
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
-@pytest.mark.parametrize("name", ["snapkv", "knorm", "pyramidkv"])
+@pytest.mark.parametrize("name", ["snapkv", "knorm", "pyramidkv", "learned0"])
 def test_generate_gives_the_same_tokens_with_padding(name, quantize):
     """float32, what a user sees: the same tokens and logits within 1e-5."""
     model = tiny_model("llama")
