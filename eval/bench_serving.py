@@ -29,8 +29,12 @@ the largest batch that ran, the smallest that did not (if probed), and the measu
 tokens/s at the largest (batch x steps / seconds), with the KV bytes per sequence.
 
 Compilation: `model.forward` is compiled (`--compile`, default "reduce-overhead" on CUDA, none
-on the CPU) for decode steps only, which pass `position_ids`; the evicting cache's scoring and
-eviction run eagerly after each compiled forward (`sparsekv.static_layer`). Rows are appended
+on the CPU) for decode steps only, which pass `position_ids`. With the learned policy at blend
+0 (and StreamingLLM) the evicting cache scores each decode step inside the compiled forward and
+only its evictions (every `evict_slack` + 1 steps, and the re-ranks) run eagerly after it,
+without moving keys or values; other policies are scored eagerly after each forward
+(`sparsekv.static_layer`; rows record `scored_in_forward`, the share of layer steps scored
+inside). Rows are appended
 to `--json` as they complete, so a run cut short by a time limit keeps what it measured.
 Lengths run in the order given (32K first by default: the headline).
 """
@@ -201,6 +205,13 @@ def probe(model, mode: str, ids, batch: int, args, compiled: bool = True) -> dic
         warm = time.perf_counter() - t0
         secs = decode(step, cache, tok, n + args.warmup_steps, args.new_tokens, args.device)
         peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else 0
+        # the share of (budgeted layer, decode step) pairs scored inside the forward, whose
+        # evictions move no key or value (`Policy.score_arrival`); None for the full caches
+        scored = None
+        if isinstance(cache, SparseKVCache):
+            layers = [cache.layers[i] for i in cache.budgeted_layers]
+            steps = len(layers) * (args.warmup_steps + args.new_tokens)
+            scored = sum(getattr(layer, "arrivals_in_forward", 0) for layer in layers) / max(steps, 1)
         return {
             "mode": mode,
             "length": n,
@@ -213,6 +224,7 @@ def probe(model, mode: str, ids, batch: int, args, compiled: bool = True) -> dic
             "tok_s": batch * args.new_tokens / secs,
             "ms_per_step": 1000 * secs / args.new_tokens,
             "compiled": compiled,
+            "scored_in_forward": scored,
         }
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):

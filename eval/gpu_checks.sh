@@ -20,7 +20,9 @@
 #
 # Each step has its own time limit, so one slow step cannot starve the others. STEPS picks steps
 # (default: pytest int8step serving; also teacher bench fp16; int8step is eval/bench_int8_step.py,
-# what one INT8 decode step allocates, limit 90 s); PYTEST_K selects tests (-k), PYTEST_ARGS
+# what one INT8 decode step allocates, limit 90 s; stepops is eval/bench_step_ops.py, the ops,
+# allocations and time of the cache's work between decode steps, limit 120 s, STEPOPS_ARGS);
+# PYTEST_K selects tests (-k), PYTEST_ARGS
 # adds flags (-s); SERVING_LENGTHS, SERVING_ARGS (e.g. --probes, --new-tokens, --memory-gib).
 set -u -o pipefail
 OUT=${OUT:-results/gpu}
@@ -57,6 +59,8 @@ want pytest && step pytest_cuda "${PYTEST_LIMIT:-240}" env SPARSEKV_TEST_DEVICE=
   $PY -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs --durations=5 ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-}
 want int8step && step int8_step "${INT8_LIMIT:-90}" $PY eval/bench_int8_step.py --shape "$SHAPE" \
   --device "$DEVICE" --dtype "$DTYPE" --batch "${INT8_BATCH:-8}" --json "$OUT/int8_step.json"
+want stepops && step step_ops "${STEPOPS_LIMIT:-120}" $PY eval/bench_step_ops.py --device "$DEVICE" \
+  --dtype "$DTYPE" ${STEPOPS_ARGS:---width full --batch 8 --prompt 8192} --json "$OUT/step_ops.json"
 want serving && step bench_serving "${SERVING_LIMIT:-480}" $PY eval/bench_serving.py --shape "$SHAPE" \
   --device "$DEVICE" --dtype "$DTYPE" --lengths "${SERVING_LENGTHS:-32768}" ${SERVING_ARGS:-} \
   --json "$OUT/bench_serving.json"

@@ -13,19 +13,28 @@ unchanged. Per budgeted layer every per-entry tensor is a buffer of `slots` entr
 How it stays exact and static at once:
 - The first `n` slots hold exactly the entries the default ("dynamic") layout holds, in the same
   order; `layer.keys` etc. are views of those prefixes (`SlotBuffers`), so the policies and the
-  cache's selection read the same tensors as with the default layout and keep the same set.
+  cache's selection read the same tensors as with the default layout and keep the same set
+  (keys and values: once in that order again, see the last point).
   Assigning `layer.keys = t` copies `t` into the buffer's prefix: an eviction's gather writes the
   kept entries back to the front in place (the freed slots are marked -1), nothing is allocated.
 - A decode step inside the model's forward touches only fixed shapes: the new key/value goes
-  into the next free slot with `index_copy_` at a slot index held on the device, and attention
-  runs over all `slots` with a mask from the positions (`positions >= 0`): softmax over slots in
-  any order with the empty ones masked equals attention over the kept entries. The new query is
+  into the next free slot (`scatter_` at a slot index held on the device), and attention runs
+  over all `slots` with a mask of the occupied, non-padding slots: softmax over slots in any
+  order with the empty ones masked equals attention over the kept entries. The new query is
   kept, and the step's scoring and eviction run after the forward returns (`finish_step`, from a
   forward hook the cache installs): per layer that is the same computation the default layout
   does inside attention, since nothing in the rest of the forward reads this layer's entries.
   So `model.forward` can be compiled (`torch.compile`, or CUDA graphs) for decode steps that
-  pass `position_ids` (else transformers reads `get_seq_length()`, a host int); scoring and
-  eviction stay eager Python outside the captured region.
+  pass `position_ids` (else transformers reads `get_seq_length()`, a host int); eviction stays
+  eager Python outside the captured region.
+- A policy that scores a decode step's entry from that entry's own inputs
+  (`Policy.score_arrival`: the learned policy at blend 0, StreamingLLM) is scored inside the
+  forward instead (the score goes into the entry's slot), and its evictions move no key or
+  value: the kept keys and values stay in their slots, `slot_of` maps each kept entry (in the
+  default layout's order) to its slot, freed slots go to a free list the next decode tokens
+  are written to, and a read of `keys`/`values` in the kept order (a prefill chunk, a batch
+  operation, a policy that reads keys) first gathers them back into that order (`_normalize`).
+  Between two decode steps that evict nothing the cache then runs no tensor op.
 - Multi-token steps (prefill chunks) are not captured: they append after the prefix and attend
   over the prefix, exactly as the default layout does.
 

@@ -421,6 +421,9 @@ def test_bench_serving_dry_run_on_cpu(tmp_path, capsys):
     assert rows["0.3"]["kv_bytes_per_seq"] < 0.5 * rows["static"]["kv_bytes_per_seq"]
     assert rows["0.3+int8"]["kv_bytes_per_seq"] < 0.5 * rows["0.3"]["kv_bytes_per_seq"]
     assert rows["0.3+int8"]["batch"] > rows["0.3"]["batch"] > rows["static"]["batch"]
+    # the learned policy (blend 0) scored every decode step of every budgeted layer in the forward
+    assert rows["0.3"]["scored_in_forward"] == rows["0.3+int8"]["scored_in_forward"] == 1.0
+    assert rows["static"]["scored_in_forward"] is None
     assert "| 256 | 0.3+int8 |" in capsys.readouterr().out
 
 

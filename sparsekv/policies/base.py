@@ -27,6 +27,11 @@ The cache computes only the statistics a policy asks for through its class attri
   the policy, in `ctx.attention`, what the repeat paid to each new entry, then evicts. Such a
   policy provides `repeat_inputs(ids) -> [(ids, start, end), ...]` (see `sparsekv.reconstruction`).
 
+`Policy.score_arrival(layer_idx, hidden_states, positions)` (optional, None by default): the
+decode-phase score of one new entry from its own inputs, for policies whose decode score leaves
+the old entries' scores unchanged and reads no attention (the learned one at blend 0,
+StreamingLLM); the static layout then scores decode steps inside the model's forward.
+
 `Policy.check_model(shape)` is called by the cache when it is built, with the model's
 `sparsekv.families.ModelShape`: a policy that was fitted to one model shape (the learned one)
 raises a ValueError there naming the mismatch; the heuristics accept any model.
