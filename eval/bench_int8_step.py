@@ -29,6 +29,7 @@ from bench_gpu import SHAPES, build_model
 
 from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache
 from sparsekv.default_model import resolve_dtype
+from sparsekv.evaluation.folder import write_text_atomic
 
 
 def allocations(fn) -> tuple[int, int]:
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     cache.close()
     print(json.dumps(row, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(row, indent=1))
+        write_text_atomic(Path(args.json), json.dumps(row, indent=1))
     return 0
 
 

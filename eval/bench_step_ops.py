@@ -39,6 +39,7 @@ from bench_gpu import SHAPES
 
 from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, static_layer
 from sparsekv.default_model import resolve_dtype
+from sparsekv.evaluation.folder import write_text_atomic
 
 NARROW = dict(hidden_size=256, intermediate_size=256, vocab_size=1024, head_dim=128)
 
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
     }
     print(json.dumps(row, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(row, indent=1))
+        write_text_atomic(Path(args.json), json.dumps(row, indent=1))
     return 0
 
 
