@@ -435,6 +435,32 @@ class StaticSlots:
         )
 
     # ---- attention and scoring --------------------------------------------------------------
+    def note_padding(self, padding: torch.Tensor | None) -> None:
+        """As `EvictingLayer.note_padding`; a single-token step that takes the decode path (a
+        prompt chunked one token at a time, whose mask is checked) marks its own entry, which
+        sits in the next slot (this layer counts it in `seen` only after the forward)."""
+        if self._step is None:
+            super().note_padding(padding)
+            return
+        if padding is None or self.seen + 1 > self.shared.padding_check_until:
+            return  # a decode step: real, unchecked (no host sync)
+        padding = padding.to(self.device, torch.bool)
+        if padding.all():
+            return
+        if padding.shape[-1] < self.seen + 1:
+            raise ValueError(
+                f"attention_mask covers {padding.shape[-1]} tokens but the cache has seen "
+                f"{self.seen + 1}; pass the mask of all tokens so far (past + new)"
+            )
+        buf = self._slots.buf
+        b, h = buf["positions"].shape[:2]
+        real = padding[:, self.seen : self.seen + 1][:, None, :].expand(b, h, 1)
+        pos = buf["positions"].index_select(2, self._slot)
+        buf["positions"].index_copy_(2, self._slot, torch.where(real, pos, torch.full_like(pos, -1)))
+        self._valid.scatter_(2, self._phys, real)
+        self.has_padding = True
+        self.shared.first_valid = (padding.long().cumsum(-1) == 0).sum(-1)  # leading pads
+
     def attention_mask(self, q: int, explicit_causal: bool) -> torch.Tensor | None:
         if self._step is not None:  # a decode step over all slots: empty and padding ones masked
             return self._valid[:, :, None, :]
