@@ -325,7 +325,8 @@ def test_buffers_are_allocated_once_and_kv_bytes_reports_them():
     cache.close()
 
 
-def test_fork_into_the_static_layout_decodes_like_the_dynamic_fork():
+@pytest.mark.parametrize("name", ["snapkv", "learned0"])
+def test_fork_into_the_static_layout_decodes_like_the_dynamic_fork(name):
     """`SparseKVCache.fork` from a recorded prefill, then decode steps: same set, same logits."""
     model = tiny_model("llama").double()
     ids = _ids(2, 48)
@@ -335,10 +336,14 @@ def test_fork_into_the_static_layout_decodes_like_the_dynamic_fork():
     for layout in ("dynamic", "static"):
         room = {"prefill_chunk": None, "static_slack": 40, "max_length": 128}
         cfg = EvictionConfig(**{**SMALL, **room, "layout": layout})
-        forked = base.fork(cfg, "snapkv")
+        forked = base.fork(cfg, _policy(name, model))
         logits = [model(input_ids=ids[:, i : i + 1], cache=forked).logits for i in range(40, 48)]
         got[layout] = (torch.cat(logits, 1), {i: forked.layers[i].positions.clone()
                                                for i in forked.budgeted_layers})
+        if layout == "static" and name == "learned0":  # scored in the forward, slots left in place
+            # (the first step after the fork appends like a prompt chunk: 7 of the 8 steps)
+            assert all(forked.layers[i].arrivals_in_forward == 7 for i in forked.budgeted_layers)
+            assert any(forked.layers[i]._mapped for i in forked.budgeted_layers)
     (ld, kd), (ls, ks) = got["dynamic"], got["static"]
     assert (ld - ls).abs().max() < 1e-10
     assert all(torch.equal(kd[i], ks[i]) for i in kd) and kd[0].shape[-1] < 48
