@@ -18,7 +18,7 @@ How it stays exact and static at once:
   Assigning `layer.keys = t` copies `t` into the buffer's prefix: an eviction's gather writes the
   kept entries back to the front in place (the freed slots are marked -1), nothing is allocated.
 - A decode step inside the model's forward touches only fixed shapes: the new key/value goes
-  into the next free slot (`scatter_` at a slot index held on the device), and attention runs
+  into the next free slot (`index_copy_` at a slot index held on the device), and attention runs
   over all `slots` with a mask of the occupied, non-padding slots: softmax over slots in any
   order with the empty ones masked equals attention over the kept entries. The new query is
   kept, and the step's scoring and eviction run after the forward returns (`finish_step`, from a
@@ -85,6 +85,11 @@ def slot_count(config: EvictionConfig, fraction: float, evicts: bool = True) -> 
         cap = layer_capacity(config, fraction, 0)  # a token count does not depend on the length
     slots = max(cap, config.sink_tokens + config.recent_window) + step_room(config)
     return slots if config.max_length is None else min(slots, max(config.max_length, 1))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous `(batch, heads, slots, ...)` buffer seen as `(batch * heads * slots, rest)`."""
+    return t.view(-1, t.shape[-1])
 
 
 def _static_address(t: torch.Tensor) -> torch.Tensor:
@@ -214,6 +219,7 @@ class StaticSlots:
         self._valid: torch.Tensor | None = None  # (batch, kv_heads, slots) bool
         self._take_at: torch.Tensor | None = None  # (1,) long: the next decode token's index in _free
         self._phys: torch.Tensor | None = None  # (batch, kv_heads, 1) long: its slot, this step
+        self._row_start: torch.Tensor | None = None  # (batch, kv_heads, 1) long: see `_flat`
         super().__init__(shared, layer_idx, budget_rank, fraction)
 
     @property
@@ -310,12 +316,15 @@ class StaticSlots:
             self._new_kv = (key_states, value_states)
         else:
             pairs = (("keys", key_states), ("values", value_states))
+        # one row per (sequence, KV head) of each buffer seen flat: `index_copy_` writes in place
+        # when compiled (a `scatter_` into a graph input copies the whole buffer every step)
+        flat = self._flat(phys)
         for name, t in pairs:
-            buf[name].scatter_(2, phys[..., None].expand(t.shape), t)
+            _rows(buf[name]).index_copy_(0, flat, t.reshape(b * h, -1))
         keys, values = buf["keys"], buf["values"]
         buf["positions"].index_copy_(2, slot, self._pos.expand(b, h, 1))
         buf["slot_of"].index_copy_(2, slot, phys.to(torch.int32))
-        self._valid.scatter_(2, phys, True)
+        self._valid.view(-1).index_fill_(0, flat, True)
         self._step = (keys, values)
         self.num_new = 1
         attn.announce_layer(self.layer_idx, self)
@@ -369,9 +378,17 @@ class StaticSlots:
             self._free = _static_address(order.contiguous())
             s.buf["slot_of"] = _static_address(order.contiguous())
             self._valid = _static_address(torch.zeros(pos.shape, dtype=torch.bool, device=pos.device))
+            b, h, n = pos.shape
+            start = torch.arange(b * h, device=pos.device).view(b, h, 1) * n
+            self._row_start = _static_address(start)  # where each (sequence, head) row begins
         s.len["slot_of"] = s.length()
         torch.ge(pos, 0, out=self._valid)
         self._take_at.fill_(s.length())
+
+    def _flat(self, phys: torch.Tensor) -> torch.Tensor:
+        """`(batch, kv_heads, 1)` slots -> their indices in the buffers' rows seen flat
+        (`(batch * kv_heads * slots, ...)`)."""
+        return (self._row_start + phys).view(-1)
 
     def _map_fits(self) -> bool:
         """The slot map exists for the buffers' batch (`_reset_map` makes it at a refresh)."""
@@ -457,7 +474,7 @@ class StaticSlots:
         real = padding[:, self.seen : self.seen + 1][:, None, :].expand(b, h, 1)
         pos = buf["positions"].index_select(2, self._slot)
         buf["positions"].index_copy_(2, self._slot, torch.where(real, pos, torch.full_like(pos, -1)))
-        self._valid.scatter_(2, self._phys, real)
+        self._valid.view(-1).index_copy_(0, self._flat(self._phys), real.reshape(-1))
         self.has_padding = True
         self.shared.first_valid = (padding.long().cumsum(-1) == 0).sum(-1)  # leading pads
 
