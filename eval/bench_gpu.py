@@ -54,6 +54,18 @@ MODES = {
 }
 
 
+def report(row: dict, path: str | None) -> None:
+    """Print a benchmark's JSON row, and write it to `path` (atomically) when given."""
+    from pathlib import Path
+
+    from sparsekv.evaluation.folder import write_text_atomic
+
+    text = json.dumps(row, indent=1)
+    print(text)
+    if path:
+        write_text_atomic(Path(path), text)
+
+
 def build_model(shape: str, dtype: torch.dtype, device: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -17,7 +17,6 @@ one warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,11 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import SHAPES, build_model
+from bench_gpu import SHAPES, build_model, report
 
 from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache
 from sparsekv.default_model import resolve_dtype
-from sparsekv.evaluation.folder import write_text_atomic
 
 
 def allocations(fn) -> tuple[int, int]:
@@ -100,9 +98,7 @@ def main(argv=None) -> int:
         "step_peak_growth": grown, "ms_per_step": round(ms, 2),
     }
     cache.close()
-    print(json.dumps(row, indent=1))
-    if args.json:
-        write_text_atomic(Path(args.json), json.dumps(row, indent=1))
+    report(row, args.json)
     return 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -35,11 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import SHAPES
+from bench_gpu import SHAPES, report
 
 from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, static_layer
 from sparsekv.default_model import resolve_dtype
-from sparsekv.evaluation.folder import write_text_atomic
 
 NARROW = dict(hidden_size=256, intermediate_size=256, vocab_size=1024, head_dim=128)
 
@@ -223,9 +221,7 @@ def main(argv=None) -> int:
         "ops": summary(run_pass(model, args, count=True), "ops"),
         "time": summary(run_pass(model, args, count=False), "ms"),
     }
-    print(json.dumps(row, indent=1))
-    if args.json:
-        write_text_atomic(Path(args.json), json.dumps(row, indent=1))
+    report(row, args.json)
     return 0
 
 

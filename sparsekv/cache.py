@@ -51,6 +51,7 @@ from sparsekv.config import EvictionConfig
 from sparsekv.families import attention_modules, model_shape, text_config
 from sparsekv.policies import Policy, ScoreContext
 from sparsekv.policies import get as get_policy
+from sparsekv.policies.base import checked_scores
 from sparsekv.repeat_pass import score_pending
 from sparsekv.schedules import layer_capacity, layer_fractions
 from sparsekv.static_layer import StaticSlots, finish_hook
@@ -339,12 +340,17 @@ class EvictingLayer(DynamicLayer):
             attention=attention,
             observed=self.observed,
             queries=query,
-            hidden_states=self.shared.first_hidden if self.shared.policy.hidden_from_first else self.hidden,
+            hidden_states=self.hidden_states(),
             budget_rank=self.budget_rank,
             num_budgeted=self.shared.num_budgeted,
             input_ids=self._new_ids(),
             model=self.shared.model() if self.shared.model is not None else None,
         )
+
+    def hidden_states(self) -> torch.Tensor | None:
+        """The attention inputs the policy scores this step's new entries from: this layer's, or
+        the first budgeted layer's for a policy with `hidden_from_first`."""
+        return self.shared.first_hidden if self.shared.policy.hidden_from_first else self.hidden
 
     def _new_ids(self) -> torch.Tensor | None:
         """Token ids of the new entries `(batch, num_new)`, when the policy reads them and the
@@ -370,13 +376,7 @@ class EvictingLayer(DynamicLayer):
         return self._received_from(policy.attention_queries, policy.window, query, kv_mask, scaling, softcap)
 
     def _set_scores(self, scores: torch.Tensor) -> None:
-        expected = tuple(self.positions.shape)
-        if tuple(scores.shape) != expected:
-            raise ValueError(
-                f"policy {self.shared.policy.name!r} returned scores of shape {tuple(scores.shape)}; "
-                f"expected (batch, kv_heads, seq) = {expected}"
-            )
-        self.scores = torch.nan_to_num(scores.float(), nan=float("-inf"))
+        self.scores = checked_scores(self.shared.policy, scores, self.positions.shape)
 
     def observe(self, module, query, kv_mask, scaling, softcap) -> None:
         """After attention: score the new entries, then evict as the step's phase requires."""

@@ -55,7 +55,7 @@ import torch
 
 from sparsekv import attention as attn
 from sparsekv.config import EvictionConfig
-from sparsekv.policies.base import Policy
+from sparsekv.policies.base import Policy, checked_scores
 from sparsekv.schedules import layer_capacity
 
 ENTRY_NAMES = ("keys", "values", "key_scale", "value_scale", "positions", "scores", "observed")
@@ -499,26 +499,19 @@ class StaticSlots:
         slot when the policy scores an arrival from its own inputs (`Policy.score_arrival`) and
         the step needs no attention statistics; True if written (then nothing is scored after
         the forward)."""
-        shared = self.shared
-        policy = shared.policy
+        policy = self.shared.policy
         if not self._scores_arrivals() or "scores" not in self._slots.buf:
             return False
-        hidden = None
-        if policy.needs_hidden_states:
-            hidden = shared.first_hidden if policy.hidden_from_first else self.hidden
-            if hidden is None:
-                return False
+        hidden = self.hidden_states() if policy.needs_hidden_states else None
+        if policy.needs_hidden_states and hidden is None:
+            return False
         buf = self._slots.buf
         new = policy.score_arrival(self.layer_idx, hidden, buf["positions"].index_select(2, self._slot))
         if new is None:
             return False
         expected = (*buf["scores"].shape[:2], 1)
-        if tuple(new.shape) != expected:
-            raise ValueError(
-                f"policy {policy.name!r} returned an arrival score of shape {tuple(new.shape)}; "
-                f"expected (batch, kv_heads, 1) = {expected}"
-            )
-        buf["scores"].index_copy_(2, self._slot, torch.nan_to_num(new.float(), nan=float("-inf")))
+        new = checked_scores(policy, new, expected, "an arrival score", "(batch, kv_heads, 1)")
+        buf["scores"].index_copy_(2, self._slot, new)
         return True
 
     def finish_step(self) -> None:

@@ -51,7 +51,7 @@ import torch
 from sparsekv.config import check_kernel_size
 
 __all__ = ["Policy", "ScoreContext", "available", "check_int", "check_kernel_size", "check_number",
-           "close_words", "fill_spans", "get", "max_pool_seq", "register"]
+           "checked_scores", "close_words", "fill_spans", "get", "max_pool_seq", "register"]
 
 
 @dataclass
@@ -232,6 +232,20 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def checked_scores(
+    policy: Policy, scores: torch.Tensor, expected: tuple[int, ...], what: str = "scores",
+    axes: str = "(batch, kv_heads, seq)",
+) -> torch.Tensor:
+    """`scores` as the cache keeps them: float32, NaN read as -inf. A shape other than `expected`
+    is a ValueError naming the policy (`what` it returned, and the `axes` expected)."""
+    if tuple(scores.shape) != tuple(expected):
+        raise ValueError(
+            f"policy {policy.name!r} returned {what} of shape {tuple(scores.shape)}; "
+            f"expected {axes} = {tuple(expected)}"
+        )
+    return torch.nan_to_num(scores.float(), nan=float("-inf"))
 
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {}

@@ -248,28 +248,30 @@ class LearnedPolicy(Policy):
             self._words = _model_words(ctx.model, self.span_words)
         return word_starts(ctx.input_ids, self._words)
 
+    def _head_scores(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The head's float32 logits `(batch, kv_heads, new)` for the new tokens of a layer."""
+        layer = layer_idx if self._first_layer is None else self._first_layer
+        return self.adapter.score_layer(layer, hidden_states).to(torch.float32)
+
+    def _with_recency(self, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`new` plus the recency prior of entries at `positions` (see the module docstring)."""
+        if not self.recency:
+            return new
+        return new + self.recency / 1000.0 * positions.to(torch.float32)
+
     def score_arrival(self, layer_idx, hidden_states, positions) -> torch.Tensor:
         """What `score` gives a decode step's one new entry: pooling and span filling leave a
         single token's logit as it is, and no observed attention enters before a re-rank."""
-        layer = layer_idx if self._first_layer is None else self._first_layer
-        new = self.adapter.score_layer(layer, hidden_states).to(torch.float32)
-        if self.recency:
-            new = new + self.recency / 1000.0 * positions.to(torch.float32)
-        return new
+        return self._with_recency(self._head_scores(layer_idx, hidden_states), positions)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         out = ctx.carry()
         if ctx.num_new:
-            layer = ctx.layer_idx if self._first_layer is None else self._first_layer
-            new = self.adapter.score_layer(layer, ctx.hidden_states).to(
-                out.dtype
-            )  # (b, kv_heads, new)
+            new = self._head_scores(ctx.layer_idx, ctx.hidden_states)  # (b, kv_heads, new)
             new = fill_spans(max_pool_seq(new, self.kernel_size), self.span_fill, self.span_peaks)
             if self.span_words and ctx.num_new > 1:
                 new = close_words(new, self._word_starts(ctx), self.span_words)
-            if self.recency:
-                pos = ctx.positions[..., -ctx.num_new :].to(out.dtype)
-                new = new + self.recency / 1000.0 * pos
+            new = self._with_recency(new, ctx.positions[..., -ctx.num_new :])
             out[..., out.shape[-1] - ctx.num_new :] = new
         if self.blend > 0:
             obs = (
