@@ -56,14 +56,19 @@ MODES = {
 
 def report(row: dict, path: str | None) -> None:
     """Print a benchmark's JSON row, and write it to `path` (atomically) when given."""
+    print(json.dumps(row, indent=1))
+    write_rows(row, path)
+
+
+def write_rows(rows: dict | list, path: str | None) -> None:
+    """Replace `path` (when given) by `rows` as JSON, atomically: a run killed mid-write leaves
+    the previous rows whole. The benchmarks call it after every row."""
     from pathlib import Path
 
     from sparsekv.evaluation.folder import write_text_atomic
 
-    text = json.dumps(row, indent=1)
-    print(text)
     if path:
-        write_text_atomic(Path(path), text)
+        write_text_atomic(Path(path), json.dumps(rows, indent=1))
 
 
 def build_model(shape: str, dtype: torch.dtype, device: str):
@@ -201,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             budget = args.memory_gib * 2**30 - weights - row["prefill_working_bytes"]
             row["max_batch_est"] = max(0, int(budget // max(row["kv_bytes"], 1)))
             rows.append(row)
+            write_rows(rows, args.json)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"\n{args.shape} ({weights / 2**30:.1f} GiB weights, {args.dtype}) on {device}; "
           f"chunk {args.chunk}, {args.new_tokens} decode steps, batch estimate for {args.memory_gib:g} GiB")
@@ -220,9 +226,6 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"| {r['length']} | {r['mode']} | {r['launches_per_step']:.0f} | {r['busy_ms_per_step']:.2f} | "
                   f"{r['step_ms']:.2f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0
 
 

@@ -34,9 +34,14 @@ on the CPU) for decode steps only, which pass `position_ids`. With the learned p
 only its evictions (every `evict_slack` + 1 steps, and the re-ranks) run eagerly after it,
 without moving keys or values; other policies are scored eagerly after each forward
 (`sparsekv.static_layer`; rows record `scored_in_forward`, the share of layer steps scored
-inside). Rows are appended
-to `--json` as they complete, so a run cut short by a time limit keeps what it measured.
-Lengths run in the order given (32K first by default: the headline).
+inside). Rows are written to `--json` as they complete (atomically: the file holds
+the rows before a row or after it, never part of one), so a run cut short by a time limit keeps
+what it measured; `--resume` then runs only the (length, mode) pairs that file lacks, or whose
+row is a failure. Every row records its `setup` (shape, dtype, cap, compilation, steps, probes,
+prefill chunks, scoring policy, decode attention, device and software): a resume whose setup
+differs from a kept row's stops with the settings that differ, since one table must not mix
+two setups (or two machines). Lengths run in the order given (32K first by default: the
+headline).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from bench_gpu import SHAPES, build_model
 from sparsekv import EvictionConfig, SparseKVCache, int8_attention
 from sparsekv import attention as sparse_attention
 from sparsekv.default_model import resolve_dtype
+from sparsekv.evaluation.folder import write_text_atomic
 from sparsekv.static_layer import finish_steps
 
 MODES = ("static", "0.3", "0.3+int8", "dynamic")  # run in this order: the headline pair first
@@ -338,7 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         help='"reduce-overhead" (CUDA default), "default", "none" (CPU default)',
     )
     p.add_argument(
-        "--json", default=None, help="append rows here (JSON list, rewritten after each row)"
+        "--json", default=None, help="write rows here (JSON list, replaced atomically after each row)"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the finished rows of --json that have this run's setup; run only the rest",
     )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
@@ -351,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--modes: unknown mode {m!r}; allowed values: {', '.join(MODES)}")
     if args.probes < 1:
         raise SystemExit(f"--probes={args.probes} must be >= 1")
+    if args.resume and not args.json:
+        raise SystemExit("--resume needs --json: the file whose finished rows are kept")
     dtype = resolve_dtype(args.dtype, "--dtype")
+    kept = load_rows(Path(args.json), args) if args.resume else {}
     torch._dynamo.config.recompile_limit = 64  # every mode, batch and length reuses model.forward
     torch._dynamo.config.accumulated_recompile_limit = 512
     model = build_model(args.shape, dtype, args.device)
@@ -368,10 +382,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.memory_gib:g} GiB, compile={args.compile}, modes {modes}, policy {args.policy}"
     )
     gen = torch.Generator().manual_seed(0)
-    rows: list[dict] = []
-    for n in (int(x) for x in args.lengths.split(",")):
+    lengths = [int(x) for x in args.lengths.split(",")]
+    # rows of the file that this run does not measure again, kept as they were (in their order)
+    planned = {(n, m) for n in lengths for m in modes}
+    rows: list[dict] = [r for key, r in kept.items() if key not in planned]
+    for n in lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(args.device)
         for mode in modes:
+            if (n, mode) in kept:
+                rows.append(kept[(n, mode)])
+                log(f"{n} {mode}: kept from {args.json} (batch {kept[(n, mode)]['batch']})")
+                continue
             t0 = time.perf_counter()
             try:
                 row = search(model, mode, ids, args, weights)
@@ -388,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             row["sdpa_force_gqa"] = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1"
             # which implementation read the INT8 slots (sparsekv.int8_attention)
             row["int8_kernel"] = int8_kernel(args.device) if mode.endswith("int8") else None
+            row["setup"] = setup(args, mode)
             rows.append(row)
             if "error" not in row:
                 log(
@@ -395,9 +417,70 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['tok_s']:.1f} tok/s, {row['search_s']:.0f} s"
                 )
             if args.json:
-                Path(args.json).write_text(json.dumps(rows, indent=1))
+                write_text_atomic(Path(args.json), json.dumps(rows, indent=1))
     print_table(rows, args)
     return 0
+
+
+SETUP_KEYS = (
+    "shape", "dtype", "memory_gib", "compile", "new_tokens", "warmup_steps", "probes", "chunk",
+    "static_chunk",
+)
+
+
+def setup(args, mode: str) -> dict:
+    """What a row's numbers depend on besides its length and mode: rows of one table share it."""
+    cuda = args.device.startswith("cuda")
+    return {
+        **{k: getattr(args, k) for k in SETUP_KEYS},
+        "policy": args.policy if mode.startswith("0.3") else None,
+        "attention": "packed" if mode.startswith("0.3") else args.attention,
+        "sdpa_force_gqa": os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1",
+        "device": torch.cuda.get_device_name(torch.device(args.device)) if cuda else args.device,
+        "torch": torch.__version__,
+        "transformers": transformers_version(),
+    }
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def load_rows(path: Path, args) -> dict[tuple[int, str], dict]:
+    """The finished rows of `path` by (length, mode), for `--resume`: failures are left out (run
+    again); a row measured under another setup stops the run, naming what differs."""
+    if not path.exists():
+        return {}
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--resume: {path} is not a JSON list of rows ({e})") from None
+    if not isinstance(rows, list):
+        raise SystemExit(f"--resume: {path} is not a JSON list of rows")
+    kept = {}
+    for r in rows:
+        if not isinstance(r, dict) or "length" not in r or "mode" not in r:
+            raise SystemExit(f"--resume: {path} holds a row without length and mode: {r!r:.120}")
+        if "error" in r:
+            continue
+        want = setup(args, r["mode"])
+        have = r.get("setup")
+        if have is None:
+            raise SystemExit(
+                f"--resume: the row {r['length']} {r['mode']} of {path} records no setup (written "
+                "before rows did): measure into another --json"
+            )
+        differ = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+        if differ:
+            said = ", ".join(f"{k}: {a!r} in the file, {b!r} now" for k, (a, b) in differ.items())
+            raise SystemExit(
+                f"--resume: the row {r['length']} {r['mode']} of {path} was measured under another "
+                f"setup ({said}); use the same flags and machine, or another --json"
+            )
+        kept[(r["length"], r["mode"])] = r
+    return kept
 
 
 def int8_kernel(device: str) -> str:

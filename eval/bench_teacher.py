@@ -21,7 +21,6 @@ Prints one Markdown table; `--json` keeps the rows.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_gpu import SHAPES, Meter, build_model  # noqa: E402
+from bench_gpu import SHAPES, Meter, build_model, write_rows  # noqa: E402
 
 from sparsekv.default_model import resolve_dtype  # noqa: E402
 from sparsekv.families import model_shape  # noqa: E402
@@ -98,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_forward:
             row.update(forward_row(model, n, args.device, args.block_size, meter))
         rows.append(row)
+        write_rows(rows, args.json)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"\nteacher statistics, {args.shape} ({shape.num_layers} layers, {heads} query / "
           f"{shape.num_kv_heads} KV heads, head dim {shape.head_dim}), {args.dtype}, block "
@@ -112,9 +112,6 @@ def main(argv: list[str] | None = None) -> int:
         saved = f"{r['naive_bytes'] / extra:.0f}x" if extra > 0 else "-"
         print(f"| {r['length']} | {r['kernel_s']:.3f} | {extra / 2**20:.0f} | {r['naive_bytes'] / 2**20:.0f} | "
               f"{saved} | {r['block_rel_diff']:.1e} | {fwd} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0
 
 

@@ -24,6 +24,9 @@
 # allocations and time of the cache's work between decode steps, limit 120 s, STEPOPS_ARGS);
 # PYTEST_K selects tests (-k), PYTEST_ARGS
 # adds flags (-s); SERVING_LENGTHS, SERVING_ARGS (e.g. --probes, --new-tokens, --memory-gib).
+# SERVING_RESUME=FILE: the bench_serving.json of an earlier run cut short (e.g. a device call's
+# time limit) is copied to $OUT and only its missing or failed rows are measured (--resume;
+# it stops if the file's rows were measured under other flags or on another machine).
 set -u -o pipefail
 OUT=${OUT:-results/gpu}
 DEVICE=${DEVICE:-cuda}
@@ -61,6 +64,10 @@ want int8step && step int8_step "${INT8_LIMIT:-90}" $PY eval/bench_int8_step.py 
   --device "$DEVICE" --dtype "$DTYPE" --batch "${INT8_BATCH:-8}" --json "$OUT/int8_step.json"
 want stepops && step step_ops "${STEPOPS_LIMIT:-120}" $PY eval/bench_step_ops.py --device "$DEVICE" \
   --dtype "$DTYPE" ${STEPOPS_ARGS:---width full --batch 8 --prompt 8192} --json "$OUT/step_ops.json"
+if want serving && [ -n "${SERVING_RESUME:-}" ]; then
+  cp "$SERVING_RESUME" "$OUT/bench_serving.json" || { echo "SERVING_RESUME=$SERVING_RESUME: no such file"; exit 2; }
+  SERVING_ARGS="${SERVING_ARGS:-} --resume"
+fi
 want serving && step bench_serving "${SERVING_LIMIT:-480}" $PY eval/bench_serving.py --shape "$SHAPE" \
   --device "$DEVICE" --dtype "$DTYPE" --lengths "${SERVING_LENGTHS:-32768}" ${SERVING_ARGS:-} \
   --json "$OUT/bench_serving.json"

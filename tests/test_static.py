@@ -540,6 +540,51 @@ def test_bench_serving_search_sizes_the_batch_from_what_a_sequence_adds_to_the_p
     assert row["fails_at"] == 20  # the next probe up (+25%) did not fit
 
 
+def test_bench_serving_resume_measures_only_what_the_file_lacks(tmp_path, monkeypatch):
+    """A run cut short keeps its finished rows; `--resume` measures only the missing and failed
+    (length, mode) pairs, keeps the rows it does not plan to measure, and refuses rows measured
+    under another setup, naming the setting. Each write replaces the file whole."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    import bench_serving
+
+    calls, failed = [], []
+
+    def fake_search(model, mode, ids, args, weights):
+        calls.append((ids.shape[1], mode))
+        if mode == "0.3+int8" and not failed:  # the first run's last mode fails
+            failed.append(mode)
+            raise RuntimeError("a kernel that does not compile")
+        return {"mode": mode, "length": ids.shape[1], "batch": 3, "fails_at": 4, "tok_s": 9.0}
+
+    monkeypatch.setattr(bench_serving, "search", fake_search)
+    out = tmp_path / "rows.json"
+    base = ["--tiny", "--json", str(out), "--modes", "static,0.3,0.3+int8"]
+    assert bench_serving.main([*base, "--lengths", "64"]) == 0  # then cut short, say
+    assert calls == [(64, "static"), (64, "0.3"), (64, "0.3+int8")]
+    assert "error" in json.loads(out.read_text())[-1]
+    calls.clear()
+    assert bench_serving.main([*base, "--lengths", "64,32", "--resume"]) == 0
+    assert calls == [(64, "0.3+int8"), (32, "static"), (32, "0.3"), (32, "0.3+int8")]
+    rows = json.loads(out.read_text())
+    assert [(r["length"], r["mode"]) for r in rows] == [
+        (64, "static"), (64, "0.3"), (64, "0.3+int8"), (32, "static"), (32, "0.3"), (32, "0.3+int8")
+    ]
+    assert all("error" not in r and r["setup"]["shape"] == "tiny" for r in rows)
+    assert rows[0]["setup"]["policy"] is None and rows[1]["setup"]["policy"] == "learned"
+    assert not [f for f in tmp_path.iterdir() if f.name.endswith(".tmp")]
+    calls.clear()
+    # a resume of one length measures nothing new and keeps the other length's rows
+    assert bench_serving.main([*base, "--lengths", "32", "--resume"]) == 0
+    assert calls == [] and len(json.loads(out.read_text())) == 6
+    # another setup: stopped before anything runs, the file untouched
+    before = out.read_text()
+    with pytest.raises(SystemExit, match=r"new_tokens: 3 in the file, 5 now"):
+        bench_serving.main([*base, "--lengths", "32", "--new-tokens", "5", "--resume"])
+    with pytest.raises(SystemExit, match="--resume needs --json"):
+        bench_serving.main(["--tiny", "--resume"])
+    assert out.read_text() == before and calls == []
+
+
 def test_bench_serving_keeps_the_other_modes_when_one_fails(tmp_path, monkeypatch, capsys):
     """A mode that fails with anything but out-of-memory (a kernel that does not compile, say)
     gets a row with its error; the modes after it still run and the table says why."""
