@@ -227,6 +227,10 @@ def _attention(base, module, query, key, value, attention_mask, **kwargs):
     return out, weights
 
 
+KEY_BLOCK = 4096
+"""Keys converted to float32 at a time by `received_attention` when its queries are one block."""
+
+
 def received_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -234,6 +238,10 @@ def received_attention(
     scaling: float,
     softcap: float | None = None,
     block_size: int = 256,
+    *,
+    key_scale: torch.Tensor | None = None,
+    last_key: torch.Tensor | None = None,
+    key_block: int | None = None,
 ) -> torch.Tensor:
     """Attention probability each key receives, summed over the given queries and over the query
     heads of its KV group.
@@ -243,15 +251,45 @@ def received_attention(
     the last `q` entries of the keys, seeing everything before them and causal among themselves.
     Returns `(batch, kv_heads, k)` float32. Queries are processed `block_size` at a time, so the
     peak extra memory is O(block_size x k), never q x k.
+
+    `key_scale` `(batch, kv_heads, k, 1)`: `key` is an INT8 store, read as `key * key_scale`
+    (`sparsekv.cache.dequantize`); `last_key` `(batch, kv_heads, 1, dim)`: the last key at full
+    precision, replacing the stored one (a decode step's own entry, as attention saw it). The
+    float32 keys are made once for all query blocks; when the queries fit in one block (a decode
+    step, an observation window), `key_block` (default `KEY_BLOCK`) keys at a time instead, so
+    that scoring one query never holds a float32 (or dequantized) copy of the whole layer: at a
+    serving batch that copy is the step's largest transient.
     """
     b, hq, q, d = query.shape
     hk, k = key.shape[1], key.shape[2]
     g = hq // hk
+    key_block = KEY_BLOCK if key_block is None else key_block
+    if key_block < 1:
+        raise ValueError(f"key_block={key_block} must be >= 1")
+
+    def floats(start: int, stop: int) -> torch.Tensor:
+        """Keys [start, stop) in float32, dequantized, the last one replaced by `last_key`."""
+        kb = key[:, :, start:stop]
+        if key_scale is not None:
+            kb = kb.to(key_scale.dtype) * key_scale[:, :, start:stop]
+        if last_key is not None and stop == k:
+            kb = torch.cat([kb[:, :, :-1], last_key.to(kb.dtype)], dim=-2)
+        return kb.float()
+
+    copies = key.dtype != torch.float32 or key_scale is not None or last_key is not None
+    in_blocks = copies and q <= block_size and k > key_block  # one pass over the keys
+    kf = None if in_blocks else floats(0, k)
     out = torch.zeros(b, hk, k, dtype=torch.float32, device=query.device)
-    kf = key.float()
     for s in range(0, q, block_size):
         qb = query[:, :, s : s + block_size].float().reshape(b, hk, g, -1, d)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", qb, kf) * scaling
+        if kf is not None:
+            logits = torch.einsum("bhgqd,bhkd->bhgqk", qb, kf)
+        else:
+            logits = qb.new_empty(b, hk, g, qb.shape[3], k)
+            for t in range(0, k, key_block):
+                stop = min(t + key_block, k)
+                logits[..., t:stop] = torch.einsum("bhgqd,bhkd->bhgqk", qb, floats(t, stop))
+        logits = logits * scaling
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if kv_mask is not None:

@@ -366,7 +366,23 @@ class EvictingLayer(DynamicLayer):
         q = query.shape[2]
         n = {"all": q, "last": 1, "window": min(window, q), None: q}[which]
         m = None if kv_mask is None else kv_mask[:, :, -n:]
-        return attn.received_attention(query[:, :, -n:], self.dense()[0], m, scaling, softcap)
+        keys, scale, last = self.scoring_keys()
+        return attn.received_attention(
+            query[:, :, -n:], keys, m, scaling, softcap, key_scale=scale, last_key=last
+        )
+
+    def scoring_keys(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The kept keys as `received_attention` reads them, with no dequantized copy of the
+        layer: `(keys, None, None)` in the model's dtype, or for an INT8 store `(int8 keys,
+        scales, None)`, and after an INT8 decode step `(int8 keys, scales, own key)`, its own
+        entry (the last) at full precision, as attention saw it (what `dense` would build)."""
+        if self._fresh is not None:
+            return self.keys, self.key_scale, self._fresh[0]
+        if self._live_kv is not None:
+            return self._live_kv[0], None, None
+        if self.quantized:
+            return self.keys, self.key_scale, None
+        return self.keys, None, None
 
     def _attention_stats(self, query, kv_mask, scaling, softcap):
         policy = self.shared.policy

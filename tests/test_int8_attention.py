@@ -5,8 +5,10 @@ twice the size of the store (on the H200: 1.19 GiB per layer at batch 60, 32K to
 batch above 1 fitted under the 80 GiB cap). These tests pin that both implementations compute
 masked softmax attention over the dequantized entries with the step's own entry at full
 precision, that a decode step of the static layout allocates nothing the size of a layer's
-dequantized keys (also while the learned policy scores it), and, through Triton's interpreter on
-the CPU, that the GPU kernel computes the same numbers."""
+dequantized keys (also while the learned policy scores it), that scoring a decode step from its
+attention (SnapKV) reads the int8 keys a block at a time instead of a dequantized or float32 copy
+of the layer, and, through Triton's interpreter on the CPU, that the GPU kernel computes the same
+numbers."""
 
 from __future__ import annotations
 
@@ -231,6 +233,81 @@ def test_int8_decoding_reading_int8_equals_the_dequantized_path(layout, padded, 
     (k8, l8), (kd, ld) = got["int8"], got["dequantized"]
     assert all(torch.equal(a, b) for a, b in zip(k8, kd))
     assert (l8 - ld).abs().max() < 1e-10
+
+
+# ---- scoring a decode step from the attention it paid (SnapKV, H2O, TOVA) --------------------
+@pytest.mark.parametrize("q, masked", [(1, True), (6, True), (6, False)], ids=["decode", "window", "causal"])
+@pytest.mark.parametrize("stored", ["bf16", "int8", "int8+own"])
+def test_received_attention_in_key_blocks_equals_one_float_copy(q, masked, stored):
+    """`received_attention` converts keys a block at a time when its queries are one pass (what
+    scoring a decode step does), reads an INT8 store through its scales and takes the step's own
+    key at full precision: the same probabilities as converting the dequantized layer at once."""
+    g = torch.Generator().manual_seed(1)
+    b, hq, hk, k, d = 2, 4, 2, 37, 16
+    query = torch.randn(b, hq, q, d, generator=g, dtype=torch.bfloat16)
+    keys = torch.randn(b, hk, k, d, generator=g, dtype=torch.bfloat16)
+    mask = (torch.rand(b, hk, q, k, generator=g) > 0.2) if masked else None
+    own = torch.randn(b, hk, 1, d, generator=g, dtype=torch.bfloat16)
+    kw = dict(scaling=d**-0.5, softcap=20.0)
+    if stored == "bf16":
+        stored_kw, dense = {}, keys
+    else:
+        kq, ks = quantize(keys)
+        dense = dequantize(kq, ks)
+        stored_kw = dict(key_scale=ks)
+        if stored == "int8+own":
+            stored_kw["last_key"] = own
+            dense = torch.cat([dense[:, :, :-1], own], dim=-2)
+        keys = kq
+    want = attn_mod.received_attention(query, dense.float(), mask, **kw)
+    for block in (5, 37, 64):
+        got = attn_mod.received_attention(query, keys, mask, **kw, **stored_kw, key_block=block)
+        assert got.dtype == torch.float32 and got.shape == (b, hk, k)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="key_block=0"):
+        attn_mod.received_attention(query, keys, mask, **kw, **stored_kw, key_block=0)
+
+
+@pytest.mark.parametrize("store", ["int8", "bf16"])
+@pytest.mark.parametrize("layout", ["dynamic", "static"])
+def test_a_decode_step_scored_from_attention_makes_no_copy_of_its_layer(layout, store, monkeypatch):
+    """SnapKV scores a decode step from the attention its query paid to every kept key. On an
+    INT8 cache that scoring reads the int8 keys a block at a time with the step's own key at full
+    precision: it neither dequantizes the layer nor makes a float32 copy of its keys (before, it
+    built both, 1.5x the layer's keys in the model's dtype plus 2x in float32, per layer and
+    step). A bfloat16 store is converted to float32 a block at a time too."""
+    monkeypatch.setattr(attn_mod, "KEY_BLOCK", 64)
+    model = tiny_model("llama")
+    if store == "bf16":
+        model = model.to(torch.bfloat16)
+    cfg = EvictionConfig(budget=0.5, layout=layout, max_length=4500, quantize="int8" if store == "int8" else None,
+                         prefill_chunk=256, recent_window=8, evict_slack=4, rerank_every=0)
+    cache = SparseKVCache(model, cfg, policies.get("snapkv"))
+    ids = torch.randint(3, 128, (2, 4400), generator=torch.Generator().manual_seed(2))
+    tok = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
+    pos = torch.tensor([[4400], [4400]])
+    tok = model(input_ids=tok, position_ids=pos, cache=cache).logits[:, -1:].argmax(-1)
+    layer = cache.layers[cache.budgeted_layers[0]]
+    stored = layer.keys.shape[-2]
+    assert stored > 2 * 1024  # many key blocks, and more than one block of the int8 attention
+    float_keys = layer.keys.numel() * 4  # the float32 copy of the kept keys
+    calls = []
+    real = cache_mod.dequantize
+
+    def counting(q, scale):
+        calls.append(tuple(q.shape))
+        return real(q, scale)
+
+    monkeypatch.setattr(cache_mod, "dequantize", counting)
+    if layout == "static":
+        monkeypatch.setattr(type(layer), "codec", (quantize, counting))
+    pos = pos + 1
+    biggest = _largest_allocation(lambda: model(input_ids=tok, position_ids=pos, cache=cache))
+    cache.close()
+    assert not [c for c in calls if c[-2] == stored + 1], calls  # no dequantized layer
+    assert biggest < float_keys, (biggest, float_keys)  # the dynamic layout's store grows by a cat
+    if layout == "static":
+        assert biggest < float_keys // 2, (biggest, float_keys)
 
 
 # ---- the Triton kernel, through Triton's interpreter on the CPU -------------------------------
