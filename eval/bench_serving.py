@@ -224,6 +224,10 @@ def probe(model, mode: str, ids, batch: int, args, compiled: bool = True) -> dic
             "batch": batch,
             "kv_bytes_per_seq": per_seq,
             "kv_bytes": kv_bytes(cache),
+            # positions, scores and the slot map beside the KV (counted in peak_bytes)
+            "bookkeeping_bytes": (
+                cache.memory_bytes()["bookkeeping"] if isinstance(cache, SparseKVCache) else 0
+            ),
             "peak_bytes": peak,
             "warmup_s": warm,
             "decode_s": secs,

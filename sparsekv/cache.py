@@ -227,6 +227,13 @@ class EvictingLayer(DynamicLayer):
         extra = 0 if self.key_scale is None else self.key_scale.nbytes + self.value_scale.nbytes
         return self.keys.nbytes + self.values.nbytes + extra
 
+    def bookkeeping_nbytes(self) -> int:
+        """Bytes held besides keys and values: per-entry positions, scores and observed
+        attention, and what `SparseKVCache(record=...)` keeps."""
+        held = [getattr(self, n) for n in ("positions", "scores", "observed")] if self.is_initialized else []
+        held += list(self.recorded.values())
+        return sum(t.nbytes for t in held if isinstance(t, torch.Tensor))
+
     def stored(self) -> int:
         """Entries stored per KV head (0 before the first step)."""
         return self.keys.shape[-2] if self.is_initialized else 0
@@ -619,6 +626,14 @@ class SparseKVCache(Cache):
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:
                 total += layer.keys.nbytes + layer.values.nbytes
         return total
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the cache holds right now: `kv` (what `kv_bytes` counts: keys, values, INT8
+        scales), `bookkeeping` (the budgeted layers' per-entry positions, scores and observed
+        attention, with `layout="static"` their whole buffers and the slot map) and `total`."""
+        kv = self.kv_bytes()
+        extra = sum(layer.bookkeeping_nbytes() for layer in self.layers if isinstance(layer, EvictingLayer))
+        return {"kv": kv, "bookkeeping": extra, "total": kv + extra}
 
     def peak_kv_bytes(self) -> int:
         """The most bytes the key/value tensors held at once since creation or `reset_peak()`

@@ -558,6 +558,13 @@ class StaticSlots:
         """Bytes of the key/value buffers held (all slots, int8 scales included)."""
         return sum(self._slots.buf[n].nbytes for n in _KV if n in self._slots.buf)
 
+    def bookkeeping_nbytes(self) -> int:
+        """Bytes of the per-entry buffers besides keys and values (positions, scores, observed,
+        the slot map `slot_of`; all slots), of the free list and the mask of slots to attend."""
+        held = [t for n, t in self._slots.buf.items() if n not in _KV]
+        held += [self._free, self._valid, self._row_start, *self.recorded.values()]
+        return sum(t.nbytes for t in held if isinstance(t, torch.Tensor))
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Constant, so that a compiled forward does not specialize on the kept length; sparsekv's
         # attention builds its own masks from the positions.

@@ -189,6 +189,26 @@ def test_kv_bytes_counts_tensors_and_drops():
     assert sparse.tokens_seen() == 512
 
 
+@pytest.mark.parametrize("name, per_entry", [("snapkv", 8 + 4), ("learned", 8 + 4 + 4)])
+def test_memory_bytes_counts_the_bookkeeping_beside_the_kv(name, per_entry):
+    """`memory_bytes()`: the KV bytes, plus per kept entry and KV head an int64 position, a
+    float32 score and, for a policy that tracks the attention entries receive between re-ranks
+    (the learned policy blending it in), a float32 observed sum."""
+    from sparsekv import ScorerAdapter
+
+    model = tiny_model("llama")
+    policy = ScorerAdapter.for_model(model).policy(blend=0.5) if name == "learned" else name
+    cache = SparseKVCache(model, EvictionConfig(budget=0.25), policy)
+    model(input_ids=_ids(2, 512), cache=cache)
+    mem = cache.memory_bytes()
+    kv_heads = model.config.num_key_value_heads
+    entries = 2 * kv_heads * sum(cache.layer_lengths())  # every layer is budgeted here
+    assert mem["kv"] == cache.kv_bytes()
+    assert mem["bookkeeping"] == entries * per_entry
+    assert mem["total"] == mem["kv"] + mem["bookkeeping"]
+    cache.close()
+
+
 def test_gemma_budget_applies_to_full_layers_only():
     model = tiny_model("gemma3")
     cache = SparseKVCache(model, EvictionConfig(budget=0.25, recent_window=8), "snapkv")

@@ -322,6 +322,13 @@ def test_buffers_are_allocated_once_and_kv_bytes_reports_them():
     pos = layer._slots.buf["positions"]
     n = layer.keys.shape[2]
     assert (pos[..., n:] == -1).all() and (pos[..., :n] >= 0).all()  # empty slots are masked by -1
+    # the bookkeeping: per slot and KV head an int64 position, a float32 score, the int32 slot
+    # map and free list, the bool mask of slots to attend; an int64 row start per (b, KV head)
+    per_slot = 8 + 4 + 4 + 4 + 1
+    mem = cache.memory_bytes()
+    assert mem["kv"] == expected
+    assert mem["bookkeeping"] == len(cache.budgeted_layers) * 2 * 2 * (slots * per_slot + 8)
+    assert mem["total"] == mem["kv"] + mem["bookkeeping"]
     cache.close()
 
 
