@@ -296,6 +296,75 @@ def test_gemma_sliding_layers_stay_dynamic():
     sta.close()
 
 
+# ops that read a tensor's value on the host, or whose output shape depends on its values: each
+# one a device-to-host synchronization on a GPU (`.item()`, `bool(t)`, `int(t)` and the Python
+# comparisons on tensors reach `_local_scalar_dense`)
+HOST_READS = {
+    "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
+    "aten::_unique2", "aten::unique_consecutive", "aten::equal", "aten::is_nonzero",
+    "aten::argwhere", "aten::nonzero_static",
+}
+
+
+def _host_reads(fn, where: str = "/sparsekv/") -> list[str]:
+    """The file:line (the innermost frame under `where`) of every op in `HOST_READS` that `fn`
+    dispatches: the CPU stand-in for tests/test_cuda.py's CUDA sync debug mode."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sites = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in HOST_READS:
+                frames = [f for f in traceback.extract_stack() if where in f.filename]
+                if frames:
+                    sites.append(f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {func._schema.name}")
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        fn()
+    return sites
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("layout", ["dynamic", "static"])
+@pytest.mark.parametrize("name", [*policies.available(), "learned0"])
+def test_decode_steps_read_nothing_on_the_host(name, layout, quantize):
+    """Decode steps, incremental evictions and re-ranks, with every policy on both layouts, with
+    and without INT8, dispatch no op that reads a value on the host (checked on the CPU for
+    what tests/test_cuda.py checks on a GPU: a compiled, graph-captured step must not sync)."""
+    if layout == "static" and name in _REGISTRY and _unsupported(name):
+        pytest.skip(_unsupported(name))
+    model = tiny_model("llama")
+    chunk = {"prefill_chunk": None} if name == "kvzip" else {}  # it repeats the whole prompt
+    cfg = EvictionConfig(**{**SMALL, "max_length": 128, "layout": layout, "quantize": quantize, **chunk})
+    policy = (
+        policies.get(name, encode=lambda text: [3 + ord(c) % 120 for c in text])
+        if name == "kvzip"
+        else _policy(name, model)
+    )
+    cache = SparseKVCache(model, cfg, policy)
+    tok = model(input_ids=_ids(2, 40), cache=cache).logits[:, -1:].argmax(-1)
+    first = cache.budgeted_layers[0]
+    seen = []
+
+    def decode():
+        t = tok
+        for i in range(12):  # incremental evictions and two re-ranks
+            pos = torch.full((2, 1), 40 + i)
+            t = model(input_ids=t, position_ids=pos, cache=cache).logits[:, -1:].argmax(-1)
+            seen.append(cache.layer_lengths()[first])
+
+    sites = _host_reads(decode)
+    assert not sites, sorted(set(sites))
+    assert len(set(seen)) > 1 or not cache.policy.evicts  # it evicted while decoding
+    # the check can fail: a host read under the given path is caught, with its line
+    assert _host_reads(lambda: bool(cache.layers[first].positions.sum() > 0), "test_static")
+    cache.close()
+
+
 def test_buffers_are_allocated_once_and_kv_bytes_reports_them():
     model = tiny_model("llama")
     cfg = EvictionConfig(**SMALL, layout="static", max_length=100)
