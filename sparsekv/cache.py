@@ -212,6 +212,19 @@ class EvictingLayer(DynamicLayer):
         keys[:, :, -1:], values[:, :, -1:] = new_k, new_v
         return keys, values
 
+    def _dense_one(self, which: int) -> torch.Tensor:
+        """`dense()[which]` (0: keys, 1: values) without building the other one."""
+        if self._fresh is not None:  # an INT8 decode step's store, its own entry last
+            store = (self.keys, self.key_scale) if which == 0 else (self.values, self.value_scale)
+            out = dequantize(*store)
+            out[:, :, -1:] = self._fresh[which]
+            return out
+        if self._live_kv is not None:
+            return self._live_kv[which]
+        if self.quantized:
+            return dequantize(self.keys, self.key_scale) if which == 0 else dequantize(self.values, self.value_scale)
+        return self.keys if which == 0 else self.values
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept keys and values in the model's dtype `(batch, kv_heads, stored, head_dim)`."""
         if self._live is not None:
@@ -334,12 +347,13 @@ class EvictingLayer(DynamicLayer):
     def _context(self, phase: str, query=None, attention=None) -> ScoreContext:
         n_old = self.stored() - self.num_new
         prev = None if self.scores is None else self.scores[..., :n_old]
-        dense = functools.cache(self.dense)  # read while this step's entries are live
         return ScoreContext(
             layer_idx=self.layer_idx,
             phase=phase,
-            keys=lambda: dense()[0],  # built only if the policy reads them (ScoreContext)
-            values=lambda: dense()[1],
+            # built only if the policy reads them (ScoreContext), while this step's entries are
+            # live; an INT8 layer dequantizes only what is read
+            keys=functools.partial(self._dense_one, 0),
+            values=functools.partial(self._dense_one, 1),
             positions=self.positions,
             num_new=self.num_new,
             tokens_seen=self.seen,

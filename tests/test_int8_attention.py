@@ -310,6 +310,38 @@ def test_a_decode_step_scored_from_attention_makes_no_copy_of_its_layer(layout, 
         assert biggest < float_keys // 2, (biggest, float_keys)
 
 
+@pytest.mark.parametrize("layout", ["dynamic", "static"])
+@pytest.mark.parametrize("name, reads", [("full", 0), ("random", 0), ("snapkv", 0), ("knorm", 1)])
+def test_an_int8_decode_step_dequantizes_only_what_its_policy_reads(layout, name, reads, monkeypatch):
+    """Per budgeted layer and decode step, the layer-sized `dequantize` calls: none for policies
+    that read neither keys nor values (full and random read only where the scores live), one
+    (the keys, not the values) for key-norm."""
+    model = tiny_model("llama")
+    cfg = EvictionConfig(budget=1.0 if name == "full" else 0.5, layout=layout, max_length=400,
+                         quantize="int8", prefill_chunk=64, evict_slack=4, rerank_every=0)
+    cache = SparseKVCache(model, cfg, policies.get(name))
+    tok = model(input_ids=_case_ids(300), cache=cache).logits[:, -1:].argmax(-1)
+    layers = [cache.layers[i] for i in cache.budgeted_layers]
+    stored = {layer.keys.shape[-2] + 1 for layer in layers}  # after this step's entry
+    calls = []
+    real = cache_mod.dequantize
+
+    def counting(q, scale):
+        calls.append(q.shape[-2])
+        return real(q, scale)
+
+    monkeypatch.setattr(cache_mod, "dequantize", counting)
+    if layout == "static":
+        monkeypatch.setattr(type(layers[0]), "codec", (quantize, counting))
+    model(input_ids=tok, position_ids=torch.tensor([[300], [300]]), cache=cache)
+    cache.close()
+    assert len([n for n in calls if n in stored]) == reads * len(layers), calls
+
+
+def _case_ids(n: int) -> torch.Tensor:
+    return torch.randint(3, 128, (2, n), generator=torch.Generator().manual_seed(4))
+
+
 # ---- the Triton kernel, through Triton's interpreter on the CPU -------------------------------
 _TRITON_CHECK = r"""
 import torch

@@ -26,7 +26,7 @@ class FullPolicy(Policy):
     evicts = False
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
-        return torch.zeros(ctx.positions.shape, device=ctx.keys.device)
+        return torch.zeros(ctx.positions.shape, device=ctx.positions.device)
 
 
 @register("random")
@@ -38,7 +38,7 @@ class RandomPolicy(Policy):
         self._gen: dict[torch.device, torch.Generator] = {}
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
-        dev = ctx.keys.device
+        dev = ctx.positions.device  # (reading ctx.keys would build an INT8 layer's keys)
         if dev not in self._gen:
             self._gen[dev] = torch.Generator(device=dev).manual_seed(self.seed)
         out = ctx.carry()
