@@ -207,22 +207,25 @@ class EvictingLayer(DynamicLayer):
 
     def _dequantized_with(self, new_k: torch.Tensor, new_v: torch.Tensor) -> tuple:
         """The dequantized store with its last entry, a decode step's own, at full precision."""
-        keys = dequantize(self.keys, self.key_scale)
-        values = dequantize(self.values, self.value_scale)
-        keys[:, :, -1:], values[:, :, -1:] = new_k, new_v
-        return keys, values
+        return self._dequantized(0, new_k), self._dequantized(1, new_v)
+
+    def _dequantized(self, which: int, own: torch.Tensor | None = None) -> torch.Tensor:
+        """The INT8 store's keys (`which` 0) or values (1) dequantized; `own`: its last entry
+        at full precision instead."""
+        q, scale = (self.keys, self.key_scale) if which == 0 else (self.values, self.value_scale)
+        out = dequantize(q, scale)
+        if own is not None:
+            out[:, :, -1:] = own
+        return out
 
     def _dense_one(self, which: int) -> torch.Tensor:
         """`dense()[which]` (0: keys, 1: values) without building the other one."""
         if self._fresh is not None:  # an INT8 decode step's store, its own entry last
-            store = (self.keys, self.key_scale) if which == 0 else (self.values, self.value_scale)
-            out = dequantize(*store)
-            out[:, :, -1:] = self._fresh[which]
-            return out
+            return self._dequantized(which, self._fresh[which])
         if self._live_kv is not None:
             return self._live_kv[which]
         if self.quantized:
-            return dequantize(self.keys, self.key_scale) if which == 0 else dequantize(self.values, self.value_scale)
+            return self._dequantized(which)
         return self.keys if which == 0 else self.values
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
