@@ -28,6 +28,10 @@ and timed steps all ran. Reported:
 the largest batch that ran, the smallest that did not (if probed), and the measured decode
 tokens/s at the largest (batch x steps / seconds), with the KV bytes per sequence.
 
+Rows also record `between_steps_ms`: the host time per timed step that the evicting cache
+spends after each forward (`static_layer.finish_steps`: evictions, and the scoring a policy
+does not do inside the forward), which a compiled forward does not contain.
+
 Compilation: `model.forward` is compiled (`--compile`, default "reduce-overhead" on CUDA, none
 on the CPU) for decode steps only, which pass `position_ids`. With the learned policy at blend
 0 (and StreamingLLM) the evicting cache scores each decode step inside the compiled forward and
@@ -47,6 +51,7 @@ headline).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -57,7 +62,7 @@ from pathlib import Path
 import torch
 from bench_gpu import SHAPES, build_model
 
-from sparsekv import EvictionConfig, SparseKVCache, int8_attention
+from sparsekv import EvictionConfig, SparseKVCache, int8_attention, static_layer
 from sparsekv import attention as sparse_attention
 from sparsekv.default_model import resolve_dtype
 from sparsekv.evaluation.folder import write_text_atomic
@@ -182,6 +187,24 @@ def decode(step, cache, tok, start: int, steps: int, device: str) -> float:
     return time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def timed_finish():
+    """Sum the host seconds of `static_layer.finish_steps` (the model's forward hook calls it
+    after each forward through a static-layout cache) into the yielded one-element list."""
+    real, spent = static_layer.finish_steps, [0.0]
+
+    def timed(cache) -> None:
+        t0 = time.perf_counter()
+        real(cache)
+        spent[0] += time.perf_counter() - t0
+
+    static_layer.finish_steps = timed
+    try:
+        yield spent
+    finally:
+        static_layer.finish_steps = real
+
+
 def probe(model, mode: str, ids, batch: int, args, compiled: bool = True) -> dict | None:
     """Prefill, replicate to `batch`, warm up, time `new_tokens` steps. None when out of memory.
     `compiled=False`: eager whatever `--compile` says (the batch-1 probe, for memory only)."""
@@ -209,7 +232,8 @@ def probe(model, mode: str, ids, batch: int, args, compiled: bool = True) -> dic
         t0 = time.perf_counter()
         decode(step, cache, tok, n, args.warmup_steps, args.device)
         warm = time.perf_counter() - t0
-        secs = decode(step, cache, tok, n + args.warmup_steps, args.new_tokens, args.device)
+        with timed_finish() as between:
+            secs = decode(step, cache, tok, n + args.warmup_steps, args.new_tokens, args.device)
         peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else 0
         # the share of (budgeted layer, decode step) pairs scored inside the forward, whose
         # evictions move no key or value (`Policy.score_arrival`); None for the full caches
@@ -235,6 +259,11 @@ def probe(model, mode: str, ids, batch: int, args, compiled: bool = True) -> dic
             "ms_per_step": 1000 * secs / args.new_tokens,
             "compiled": compiled,
             "scored_in_forward": scored,
+            # host time per timed step in the cache's work after the forward (evictions, and
+            # the scoring a policy does not do in the forward): eager, between compiled steps
+            "between_steps_ms": (
+                1000 * between[0] / args.new_tokens if isinstance(cache, SparseKVCache) else None
+            ),
         }
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
@@ -416,9 +445,11 @@ def main(argv: list[str] | None = None) -> int:
             row["setup"] = setup(args, mode)
             rows.append(row)
             if "error" not in row:
+                between = row.get("between_steps_ms")
                 log(
                     f"{n} {mode}: batch {row['batch']} (fails at {row.get('fails_at')}), "
                     f"{row['tok_s']:.1f} tok/s, {row['search_s']:.0f} s"
+                    + (f", {between:.1f} ms/step between steps" if between is not None else "")
                 )
             if args.json:
                 write_text_atomic(Path(args.json), json.dumps(rows, indent=1))

@@ -559,6 +559,9 @@ def test_bench_serving_dry_run_on_cpu(tmp_path, capsys):
     # the learned policy (blend 0) scored every decode step of every budgeted layer in the forward
     assert rows["0.3"]["scored_in_forward"] == rows["0.3+int8"]["scored_in_forward"] == 1.0
     assert rows["static"]["scored_in_forward"] is None
+    # the host time of the cache's work between steps, measured (not on the full-cache modes)
+    assert 0 < rows["0.3"]["between_steps_ms"] < rows["0.3"]["ms_per_step"]
+    assert rows["dynamic"]["between_steps_ms"] is None
     assert "| 256 | 0.3+int8 |" in capsys.readouterr().out
 
 
