@@ -373,3 +373,36 @@ def test_a_static_int8_decode_step_holds_no_copy_of_a_layer_on_cuda():
     grown = torch.cuda.max_memory_allocated() - base
     cache.close()
     assert grown < dequantized // 2, (grown, dequantized)
+
+
+@needs_cuda
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("layout", ["dynamic", "static"])
+def test_a_snapkv_decode_step_holds_no_float_copy_of_its_keys_on_cuda(layout, quantize, monkeypatch):
+    """SnapKV scores a decode step from the attention its query paid to every kept key: what the
+    step adds to the peak device memory stays below a float32 copy of a layer's kept keys (the
+    scoring converts `KEY_BLOCK` keys at a time and reads an INT8 store through its scales; before,
+    it held the float32 copy and, for INT8, the dequantized keys and values too)."""
+    from sparsekv import attention as attn_mod
+
+    monkeypatch.setattr(attn_mod, "KEY_BLOCK", 256)
+    model = tiny_model("llama").to(CUDA, torch.bfloat16)
+    cfg = EvictionConfig(budget=0.5, layout=layout, max_length=8300, quantize=quantize,
+                         prefill_chunk=1024, evict_slack=4, rerank_every=0)
+    cache = SparseKVCache(model, cfg, "snapkv")
+    tok = model(input_ids=_ids(4, 8192), cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    pos = torch.full((4, 1), 8192, device=CUDA)
+    tok = model(input_ids=tok, position_ids=pos, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    layer = cache.layers[cache.budgeted_layers[0]]
+    float_keys = layer.keys.numel() * 4
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model(input_ids=tok, position_ids=pos + 1, cache=cache, logits_to_keep=1)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - base
+    cache.close()
+    # the dynamic layout's store grows by concatenations: a new copy of a layer's keys (then of
+    # its values) while the old one is alive
+    store = layer.keys.numel() * (1 if quantize else 2) if layout == "dynamic" else 0
+    assert grown < float_keys // 2 + store, (grown, float_keys, store)
