@@ -306,22 +306,31 @@ class EvictingLayer(DynamicLayer):
         # Decode steps append real tokens (generate extends the mask with ones); checking them
         # would cost a host sync per layer and step, so only multi-token steps are inspected,
         # and the single-token chunks of a prompt that `prefill_chunk` splits (marked there).
-        if padding is None or (self.num_new == 1 and self.seen > self.shared.padding_check_until):
-            return
-        padding = padding.to(self.device, torch.bool)
-        if padding.all():  # the one host sync of a prefill step
-            return
         q = self.num_new
-        real = padding[:, self.seen - q : self.seen]  # (batch, q)
-        if real.shape[-1] != q:
-            raise ValueError(
-                f"attention_mask covers {padding.shape[-1]} tokens but the cache has seen {self.seen}; "
-                "pass the mask of all tokens so far (past + new)"
-            )
+        real = self._real_new(padding, self.seen, q)
+        if real is None:
+            return
         new = self.positions[..., -q:]
         self.positions[..., -q:] = torch.where(real[:, None, :], new, torch.full_like(new, -1))
         self.has_padding = True
+
+    def _real_new(self, padding: torch.Tensor | None, seen: int, q: int) -> torch.Tensor | None:
+        """`(batch, q)` bool, True = real, for the `q` new entries that end at token `seen`, when
+        the step is checked and `padding` holds a pad (then also the leading pads per sequence,
+        `first_valid`); None otherwise."""
+        if padding is None or (q == 1 and seen > self.shared.padding_check_until):
+            return None
+        padding = padding.to(self.device, torch.bool)
+        if padding.all():  # the one host sync of a prefill step
+            return None
+        real = padding[:, seen - q : seen]
+        if real.shape[-1] != q:
+            raise ValueError(
+                f"attention_mask covers {padding.shape[-1]} tokens but the cache has seen {seen}; "
+                "pass the mask of all tokens so far (past + new)"
+            )
         self.shared.first_valid = (padding.long().cumsum(-1) == 0).sum(-1)  # leading pads
+        return real
 
     def attention_mask(self, q: int, explicit_causal: bool) -> torch.Tensor | None:
         """Mask for the last `q` queries over the stored entries (True = attend), or None.

@@ -459,24 +459,16 @@ class StaticSlots:
         if self._step is None:
             super().note_padding(padding)
             return
-        if padding is None or self.seen + 1 > self.shared.padding_check_until:
-            return  # a decode step: real, unchecked (no host sync)
-        padding = padding.to(self.device, torch.bool)
-        if padding.all():
+        real = self._real_new(padding, self.seen + 1, 1)  # None for a decode step: unchecked
+        if real is None:
             return
-        if padding.shape[-1] < self.seen + 1:
-            raise ValueError(
-                f"attention_mask covers {padding.shape[-1]} tokens but the cache has seen "
-                f"{self.seen + 1}; pass the mask of all tokens so far (past + new)"
-            )
         buf = self._slots.buf
         b, h = buf["positions"].shape[:2]
-        real = padding[:, self.seen : self.seen + 1][:, None, :].expand(b, h, 1)
+        real = real[:, None, :].expand(b, h, 1)
         pos = buf["positions"].index_select(2, self._slot)
         buf["positions"].index_copy_(2, self._slot, torch.where(real, pos, torch.full_like(pos, -1)))
         self._valid.view(-1).index_copy_(0, self._flat(self._phys), real.reshape(-1))
         self.has_padding = True
-        self.shared.first_valid = (padding.long().cumsum(-1) == 0).sum(-1)  # leading pads
 
     def attention_mask(self, q: int, explicit_causal: bool) -> torch.Tensor | None:
         if self._step is not None:  # a decode step over all slots: empty and padding ones masked
