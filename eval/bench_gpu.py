@@ -71,6 +71,27 @@ def write_rows(rows: dict | list, path: str | None) -> None:
         write_text_atomic(Path(path), json.dumps(rows, indent=1))
 
 
+def check_counts(args, names: tuple[str, ...]) -> None:
+    """Stop with the flag's name when a count among `names` (args attributes; None = unset) is
+    below 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={value} must be >= 1")
+
+
+def bench_policy(model, name: str):
+    """The budget modes' policy: `name`, or for "learned" a gating head of the shipped
+    architecture, untrained (seed 0), at blend 0 as in the query-agnostic use: the scorer's real
+    cost with random choices."""
+    if name != "learned":
+        return name
+    from sparsekv import ScorerAdapter
+
+    torch.manual_seed(0)
+    return ScorerAdapter.for_model(model).to(next(model.parameters()).device).policy(blend=0.0)
+
+
 def build_model(shape: str, dtype: torch.dtype, device: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import SHAPES, build_model, report
+from bench_gpu import SHAPES, bench_policy, build_model, check_counts, report
 
-from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache
+from sparsekv import EvictionConfig, SparseKVCache
 from sparsekv.default_model import resolve_dtype
 
 
@@ -52,13 +52,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--json", default=None, help="write the row here")
     args = p.parse_args(argv)
-    for name in ("batch", "max_length", "prompt", "steps"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    check_counts(args, ("batch", "max_length", "prompt", "steps"))
     dtype = resolve_dtype(args.dtype, "--dtype")
     model = build_model(args.shape, dtype, args.device)
-    torch.manual_seed(0)
-    policy = ScorerAdapter.for_model(model).to(args.device).policy(blend=0.0)
+    policy = bench_policy(model, "learned")
     cfg = EvictionConfig(budget=0.3, layout="static", max_length=args.max_length, quantize="int8")
     cache = SparseKVCache(model, cfg, policy)
     gen = torch.Generator().manual_seed(0)

@@ -60,12 +60,12 @@ import time
 from pathlib import Path
 
 import torch
-from bench_gpu import SHAPES, build_model
+import transformers
+from bench_gpu import SHAPES, bench_policy, build_model, write_rows
 
 from sparsekv import EvictionConfig, SparseKVCache, int8_attention, static_layer
 from sparsekv import attention as sparse_attention
 from sparsekv.default_model import resolve_dtype
-from sparsekv.evaluation.folder import write_text_atomic
 from sparsekv.static_layer import finish_steps
 
 MODES = ("static", "0.3", "0.3+int8", "dynamic")  # run in this order: the headline pair first
@@ -116,17 +116,7 @@ def make_cache(model, mode: str, length: int, args):
         layout="static",
         max_length=total,
     )
-    return SparseKVCache(model, cfg, make_policy(model, args.policy))
-
-
-def make_policy(model, name: str):
-    if name != "learned":
-        return name
-    from sparsekv import ScorerAdapter
-
-    torch.manual_seed(0)
-    adapter = ScorerAdapter.for_model(model).to(next(model.parameters()).device)
-    return adapter.policy(blend=0.0)
+    return SparseKVCache(model, cfg, bench_policy(model, args.policy))
 
 
 @torch.no_grad()
@@ -436,13 +426,12 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{n} {mode}: failed ({error})")
                 row = {"mode": mode, "length": n, "batch": 0, "tok_s": 0.0, "error": error}
             row["search_s"] = time.perf_counter() - t0
-            row["policy"] = args.policy if mode.startswith("0.3") else None
-            row["attention"] = "packed" if mode.startswith("0.3") else args.attention
-            # transformers' switch: grouped-query sdpa even with a mask (no KV head expansion)
-            row["sdpa_force_gqa"] = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1"
+            row["setup"] = setup(args, mode)
+            # (also at the top level of a row, where the tables and earlier rows have them)
+            for key in ("policy", "attention", "sdpa_force_gqa"):
+                row[key] = row["setup"][key]
             # which implementation read the INT8 slots (sparsekv.int8_attention)
             row["int8_kernel"] = int8_kernel(args.device) if mode.endswith("int8") else None
-            row["setup"] = setup(args, mode)
             rows.append(row)
             if "error" not in row:
                 between = row.get("between_steps_ms")
@@ -451,8 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['tok_s']:.1f} tok/s, {row['search_s']:.0f} s"
                     + (f", {between:.1f} ms/step between steps" if between is not None else "")
                 )
-            if args.json:
-                write_text_atomic(Path(args.json), json.dumps(rows, indent=1))
+            write_rows(rows, args.json)
     print_table(rows, args)
     return 0
 
@@ -470,17 +458,12 @@ def setup(args, mode: str) -> dict:
         **{k: getattr(args, k) for k in SETUP_KEYS},
         "policy": args.policy if mode.startswith("0.3") else None,
         "attention": "packed" if mode.startswith("0.3") else args.attention,
+        # transformers' switch: grouped-query sdpa even with a mask (no KV head expansion)
         "sdpa_force_gqa": os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1",
         "device": torch.cuda.get_device_name(torch.device(args.device)) if cuda else args.device,
         "torch": torch.__version__,
-        "transformers": transformers_version(),
+        "transformers": transformers.__version__,
     }
-
-
-def transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 def load_rows(path: Path, args) -> dict[tuple[int, str], dict]:

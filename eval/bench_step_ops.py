@@ -34,9 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import SHAPES, report
+from bench_gpu import SHAPES, bench_policy, check_counts, report
 
-from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, static_layer
+from sparsekv import EvictionConfig, SparseKVCache, static_layer
 from sparsekv.default_model import resolve_dtype
 
 NARROW = dict(hidden_size=256, intermediate_size=256, vocab_size=1024, head_dim=128)
@@ -81,13 +81,6 @@ def build(width: str, dtype: torch.dtype, device: str, layers: int | None = None
     return model.eval().requires_grad_(False)
 
 
-def make_policy(model, name: str):
-    if name != "learned":
-        return name
-    torch.manual_seed(0)
-    return ScorerAdapter.for_model(model).to(next(model.parameters()).device).policy(blend=0.0)
-
-
 def sync(device: str) -> float:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -105,7 +98,7 @@ def run_pass(model, args, count: bool) -> list[dict]:
         layout="static",
         max_length=args.prompt + args.steps + 1,
     )
-    cache = SparseKVCache(model, cfg, make_policy(model, args.policy))
+    cache = SparseKVCache(model, cfg, bench_policy(model, args.policy))
     ids = torch.randint(
         3, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)
     )
@@ -204,9 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=36)
     p.add_argument("--json", default=None, help="write the row here")
     args = p.parse_args(argv)
-    for name in ("batch", "prompt", "chunk", "steps", "layers"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise SystemExit(f"--{name}={getattr(args, name)} must be >= 1")
+    check_counts(args, ("batch", "prompt", "chunk", "steps", "layers"))
     dtype = resolve_dtype(args.dtype, "--dtype")
     model = build(args.width, dtype, args.device, args.layers)
     row = {
