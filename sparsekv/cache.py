@@ -230,11 +230,9 @@ class EvictingLayer(DynamicLayer):
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept keys and values in the model's dtype `(batch, kv_heads, stored, head_dim)`."""
-        if self._live is not None:
+        if self._live is not None:  # (an INT8 decode step's pair is built here, then kept)
             return self._live
-        if self.quantized:
-            return dequantize(self.keys, self.key_scale), dequantize(self.values, self.value_scale)
-        return self.keys, self.values
+        return self._dense_one(0), self._dense_one(1)
 
     def nbytes(self) -> int:
         """Bytes held by this layer's key and value storage (int8 scales included)."""

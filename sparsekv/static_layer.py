@@ -92,6 +92,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1])
 
 
+def _identity(like: torch.Tensor) -> torch.Tensor:
+    """Slot i for entry i: int32 `arange(slots)` broadcast to `like`'s `(batch, heads, slots)`."""
+    return torch.arange(like.shape[-1], dtype=torch.int32, device=like.device).expand(like.shape)
+
+
 def _static_address(t: torch.Tensor) -> torch.Tensor:
     """Tell torch.compile that `t` keeps its address (written in place between steps), so CUDA
     graphs can capture steps that mutate it (transformers' StaticLayer does the same)."""
@@ -374,9 +379,8 @@ class StaticSlots:
         if pos is None:
             return
         if self._free is None or self._free.shape != pos.shape or self._free.device != pos.device:
-            order = torch.arange(pos.shape[-1], dtype=torch.int32, device=pos.device).expand(pos.shape)
-            self._free = _static_address(order.contiguous())
-            s.buf["slot_of"] = _static_address(order.contiguous())
+            self._free = _static_address(_identity(pos).contiguous())
+            s.buf["slot_of"] = _static_address(_identity(pos).contiguous())
             self._valid = _static_address(torch.zeros(pos.shape, dtype=torch.bool, device=pos.device))
             b, h, n = pos.shape
             start = torch.arange(b * h, device=pos.device).view(b, h, 1) * n
@@ -409,9 +413,8 @@ class StaticSlots:
             b = s.buf.get(name)
             if b is not None:
                 b[:, :, :n] = b.gather(2, where[..., None].expand(-1, -1, -1, b.shape[-1]))
-        order = torch.arange(s.slots, dtype=torch.int32, device=where.device).expand(self._free.shape)
-        self._free.copy_(order)
-        s.buf["slot_of"].copy_(order)
+        self._free.copy_(_identity(self._free))
+        s.buf["slot_of"].copy_(_identity(self._free))
         self._reset_map()
 
     def _take(self, index) -> None:
