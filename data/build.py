@@ -31,7 +31,6 @@ import json
 import os
 import random
 import re
-import tempfile
 import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
@@ -408,16 +407,11 @@ def write_jsonl(records: list[dict], out: str | os.PathLike) -> Path:
     """Write records as JSONL atomically: a temp file in the same folder, then a rename."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from sparsekv.io import atomic_path
+
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
     return out
 
 

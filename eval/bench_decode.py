@@ -36,10 +36,11 @@ import torch
 from tqdm import tqdm
 
 from sparsekv import EvictionConfig, SparseKVCache, load_default_model, policies
-from sparsekv.evaluation.codec import HFCodec
-from sparsekv.evaluation.decode import RerankClock
-from sparsekv.evaluation.decode_tasks import DECODE_KIND  # noqa: F401  (registers the tasks)
+from sparsekv.evaluation.running.decode import RerankClock
 from sparsekv.evaluation.tasks import make_sample
+from sparsekv.evaluation.tasks.codec import HFCodec
+from sparsekv.evaluation.tasks.decode import DECODE_KIND  # noqa: F401  (registers the tasks)
+from sparsekv.io import write_atomic
 
 
 def text_ids(tok, prompt: int, steps: int) -> tuple[list[int], list[int]]:
@@ -161,11 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row['policy']} | {row['budget']} | {r} | {row['ms_per_step']:.1f} | {cost} | "
               f"{row['rerank_ms_per_step']:.3f} | {row['rerank_pct_of_decode']:.3f} | {row['kv_bytes'] / 2**20:.1f} |")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"setting": setting, "rows": rows}, indent=1))
-        tmp.replace(path)
+        write_atomic(Path(args.json), json.dumps({"setting": setting, "rows": rows}, indent=1))
     return 0
 
 

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from sparsekv import EvictionConfig, SparseKVCache
-from sparsekv.default_model import resolve_dtype
+from sparsekv.models.default import resolve_dtype
 
 SHAPES = {
     "llama-3.1-8b": dict(
@@ -65,10 +65,10 @@ def write_rows(rows: dict | list, path: str | None) -> None:
     the previous rows whole. The benchmarks call it after every row."""
     from pathlib import Path
 
-    from sparsekv.evaluation.folder import write_text_atomic
+    from sparsekv.io import write_atomic
 
     if path:
-        write_text_atomic(Path(path), json.dumps(rows, indent=1))
+        write_atomic(Path(path), json.dumps(rows, indent=1))
 
 
 def check_counts(args, names: tuple[str, ...]) -> None:

@@ -1,6 +1,6 @@
 """What one INT8 decode step of the static layout allocates: the bytes of its largest allocation
 and of all its allocations, against the bytes of the int8 store and of one layer's dequantized
-keys (a copy the step made of every layer before `sparsekv.int8_attention`).
+keys (a copy the step made of every layer before `sparsekv.cache.int8_attention`).
 
     python eval/bench_int8_step.py                              # tiny shape, CPU, bf16, 32K slots
     python eval/bench_int8_step.py --device cuda --shape llama-3.1-8b --batch 8
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import SHAPES, bench_policy, build_model, check_counts, report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `eval` as a package
+from eval.bench_gpu import SHAPES, bench_policy, build_model, check_counts, report
 
 from sparsekv import EvictionConfig, SparseKVCache
-from sparsekv.default_model import resolve_dtype
+from sparsekv.models.default import resolve_dtype
 
 
 def allocations(fn) -> tuple[int, int]:

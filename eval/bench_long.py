@@ -26,8 +26,8 @@ import torch
 def child(mode: str, length: int, budget: float, chunk: int, new_tokens: int) -> dict:
     from sparsekv import EvictionConfig, SparseKVCache, load_default_model
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from bench_decode import prose_ids
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from eval.bench_decode import prose_ids
 
     model, tok = load_default_model()
     ids = prose_ids(tok, length)

@@ -32,12 +32,12 @@ import torch
 
 from sparsekv import EvictionConfig, SparseKVCache, policies
 from sparsekv.evaluation.metrics import PeakRSS
-from sparsekv.evaluation.models import load_model
+from sparsekv.evaluation.running.models import load_model
 
 
 def prose_ids(codec, length: int) -> list[int]:
     """The first `length` tokens of the evaluation prose (after the codec's BOS)."""
-    from sparsekv.evaluation.text import eval_texts
+    from sparsekv.evaluation.tasks.text import eval_texts
 
     ids: list[int] = list(codec.bos_ids)
     for _, text in eval_texts("prose"):

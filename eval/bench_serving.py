@@ -14,7 +14,7 @@ and time, meaningless text. Modes:
   blend 0 as in the query-agnostic use: the scorer's real cost, random choices), "snapkv" (the
   scores of docs/gpu-h200.md; it also recomputes each step's attention to the kept keys), "knorm";
 - `0.3+int8`: the same, kept entries stored as INT8; decode attention reads the int8 slots
-  (`sparsekv.int8_attention`: the Triton kernel on CUDA, `int8_kernel` in the rows).
+  (`sparsekv.cache.int8_attention`: the Triton kernel on CUDA, `int8_kernel` in the rows).
 
 Per length and mode: one sequence is prefilled (in chunks) and its cache (compressed, for the
 budget modes) replicated across the batch; then decode steps run at that batch. The batch is
@@ -37,7 +37,7 @@ on the CPU) for decode steps only, which pass `position_ids`. With the learned p
 0 (and StreamingLLM) the evicting cache scores each decode step inside the compiled forward and
 only its evictions (every `evict_slack` + 1 steps, and the re-ranks) run eagerly after it,
 without moving keys or values; other policies are scored eagerly after each forward
-(`sparsekv.static_layer`; rows record `scored_in_forward`, the share of layer steps scored
+(`sparsekv.cache.static`; rows record `scored_in_forward`, the share of layer steps scored
 inside). Rows are written to `--json` as they complete (atomically: the file holds
 the rows before a row or after it, never part of one), so a run cut short by a time limit keeps
 what it measured; `--resume` then runs only the (length, mode) pairs that file lacks, or whose
@@ -61,12 +61,16 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_gpu import SHAPES, bench_policy, build_model, write_rows
 
-from sparsekv import EvictionConfig, SparseKVCache, int8_attention, static_layer
-from sparsekv import attention as sparse_attention
-from sparsekv.default_model import resolve_dtype
-from sparsekv.static_layer import finish_steps
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `eval` as a package
+from eval.bench_gpu import SHAPES, bench_policy, build_model, write_rows  # noqa: E402
+
+from sparsekv import EvictionConfig, SparseKVCache
+from sparsekv.cache import attention as sparse_attention
+from sparsekv.cache import int8_attention
+from sparsekv.cache import static as static_layer
+from sparsekv.cache.static import finish_steps
+from sparsekv.models.default import resolve_dtype
 
 MODES = ("static", "0.3", "0.3+int8", "dynamic")  # run in this order: the headline pair first
 TINY = [
@@ -430,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             # (also at the top level of a row, where the tables and earlier rows have them)
             for key in ("policy", "attention", "sdpa_force_gqa"):
                 row[key] = row["setup"][key]
-            # which implementation read the INT8 slots (sparsekv.int8_attention)
+            # which implementation read the INT8 slots (sparsekv.cache.int8_attention)
             row["int8_kernel"] = int8_kernel(args.device) if mode.endswith("int8") else None
             rows.append(row)
             if "error" not in row:

@@ -33,11 +33,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import SHAPES, bench_policy, check_counts, report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `eval` as a package
+from eval.bench_gpu import SHAPES, bench_policy, check_counts, report
 
-from sparsekv import EvictionConfig, SparseKVCache, static_layer
-from sparsekv.default_model import resolve_dtype
+from sparsekv import EvictionConfig, SparseKVCache
+from sparsekv.cache import static as static_layer
+from sparsekv.models.default import resolve_dtype
 
 NARROW = dict(hidden_size=256, intermediate_size=256, vocab_size=1024, head_dim=128)
 

@@ -4,7 +4,7 @@
     python eval/bench_teacher.py --shape tiny --device cpu --lengths 512,1024 --dtype float32   # CI
 
 The training targets need, per layer, the attention every key receives from every later query.
-`sparsekv.teacher.attention_received` computes it `--block-size` queries at a time, so its extra
+`sparsekv.teacher.statistics.attention_received` computes it `--block-size` queries at a time, so its extra
 memory grows with n, not n^2. For every length this measures, on the model shape of
 `eval/bench_gpu.py` with random weights (no download):
 
@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_gpu import SHAPES, Meter, build_model, write_rows  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `eval` as a package
+from eval.bench_gpu import SHAPES, Meter, build_model, write_rows  # noqa: E402
 
-from sparsekv.default_model import resolve_dtype  # noqa: E402
-from sparsekv.families import model_shape  # noqa: E402
-from sparsekv.teacher import attention_received, teacher_targets  # noqa: E402
+from sparsekv.models.default import resolve_dtype  # noqa: E402
+from sparsekv.models.families import model_shape  # noqa: E402
+from sparsekv.teacher.statistics import attention_received, teacher_targets  # noqa: E402
 
 
 @torch.no_grad()

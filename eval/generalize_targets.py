@@ -31,11 +31,11 @@ import torch
 import yaml
 
 from sparsekv.evaluation.config import REFERENCE
-from sparsekv.evaluation.folder import write_text_atomic
 from sparsekv.evaluation.metrics import mean
-from sparsekv.evaluation.rows import read_rows as read_jsonl
-from sparsekv.evaluation.summary import bootstrap_draws, interval95, share_interval
+from sparsekv.evaluation.reports.summary import bootstrap_draws, interval95, share_interval
+from sparsekv.evaluation.rows.store import read_rows as read_jsonl
 from sparsekv.evaluation.tasks import TASKS
+from sparsekv.io import write_atomic
 
 RESAMPLES = 2000
 SHARE_FLOOR = 0.30  # issue 15: families the full cache answers at least this often
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         head += [(f"**Provisional: {have} of {asked} samples per task so far** (the grid is still "
                   "running; verdicts on the finished grid are the ones that count)."), ""]
     text = "\n".join(head + lines) + "\n"
-    write_text_atomic(folder / "targets.md", text)
+    write_atomic(folder / "targets.md", text)
     print(text)
     return 0
 

@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from sparsekv import SparseKVCache
     from sparsekv.evaluation.config import EvalConfig
-    from sparsekv.evaluation.execute import Runner
-    from sparsekv.evaluation.folder import read_config
-    from sparsekv.evaluation.models import load_model
-    from sparsekv.evaluation.rows import read_rows
+    from sparsekv.evaluation.rows.folder import read_config
+    from sparsekv.evaluation.rows.store import read_rows
+    from sparsekv.evaluation.running.execute import Runner
+    from sparsekv.evaluation.running.models import load_model
 
     folder = Path(args.out)
     raw = read_config(folder)

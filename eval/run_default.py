@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from sparsekv.adapter_format import CONFIG_NAME, LEGACY_CONFIG_NAME
+from sparsekv.scoring.files import CONFIG_NAME, LEGACY_CONFIG_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIG = "configs/train/gemma3-270m-cpu.yaml"

@@ -45,7 +45,7 @@ import torch
 torch.set_num_threads(1)
 
 import sparsekv
-from sparsekv.tiny import tiny_model
+from sparsekv.models.tiny import tiny_model
 
 CLEAR_TYPES = (ValueError, TypeError, FileNotFoundError)
 SURFACES = ("api", "adapter files", "train config", "eval cli")
@@ -792,7 +792,7 @@ add(EV, "rows", "--resume with another seed", ("seed",),
 
 
 def _locked():
-    from sparsekv.evaluation.folder import FolderLock
+    from sparsekv.evaluation.rows.folder import FolderLock
     out = _finished_run()
     with FolderLock(out):
         return cli("eval", *_grid(budget="0.5"), "--resume", "--out", out)

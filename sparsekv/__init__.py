@@ -5,32 +5,32 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from sparsekv._version import __version__
 
 # Heavy submodules are imported on first use so that `import sparsekv` stays fast.
 _LAZY = {
-    "load_default_model": "sparsekv.default_model",
-    "default_model_path": "sparsekv.default_model",
+    "load_default_model": "sparsekv.models.default",
+    "default_model_path": "sparsekv.models.default",
     "EvictionConfig": "sparsekv.config",
     "SparseKVCache": "sparsekv.cache",
-    "ScorerAdapter": "sparsekv.adapter",
+    "ScorerAdapter": "sparsekv.scoring.adapter",
     "policies": "sparsekv.policies",
-    "model_shape": "sparsekv.families",
-    "compress": "sparsekv.compressed",
-    "compress_text": "sparsekv.compressed",
-    "CompressedContext": "sparsekv.compressed",
+    "model_shape": "sparsekv.models.families",
+    "compress": "sparsekv.serving.compressed",
+    "compress_text": "sparsekv.serving.compressed",
+    "CompressedContext": "sparsekv.serving.compressed",
 }
 
 __all__ = list(_LAZY) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparsekv import policies
-    from sparsekv.adapter import ScorerAdapter
     from sparsekv.cache import SparseKVCache
-    from sparsekv.compressed import CompressedContext, compress, compress_text
     from sparsekv.config import EvictionConfig
-    from sparsekv.default_model import default_model_path, load_default_model
-    from sparsekv.families import model_shape
+    from sparsekv.models.default import default_model_path, load_default_model
+    from sparsekv.models.families import model_shape
+    from sparsekv.scoring.adapter import ScorerAdapter
+    from sparsekv.serving.compressed import CompressedContext, compress, compress_text
 
 
 def __getattr__(name: str) -> Any:

@@ -10,8 +10,8 @@ import sys
 def _model_info(args: argparse.Namespace) -> int:
     import torch
 
-    from sparsekv.default_model import load_default_model, resolve_dtype
-    from sparsekv.families import model_shape
+    from sparsekv.models.default import load_default_model, resolve_dtype
+    from sparsekv.models.families import model_shape
 
     dtype = resolve_dtype(args.dtype, "--dtype")
     if args.model == "default":

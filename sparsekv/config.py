@@ -148,7 +148,7 @@ class EvictionConfig:
     """How budgeted layers store their entries: "dynamic" (each eviction gathers the kept entries
     into new, smaller tensors) or "static" (buffers of a fixed number of slots, allocated once
     and written in place, so tensor shapes never change while decoding and the decode step can
-    be compiled; see `sparsekv.static_layer`). Both keep the same entries."""
+    be compiled; see `sparsekv.cache.static`). Both keep the same entries."""
     max_length: int | None = None
     """layout="static": the longest sequence (prompt + generated tokens) the buffers are sized
     for. Needed with a fractional budget (capacity = budget x max_length) and with the "full"

@@ -3,7 +3,7 @@ is on.
 
 `FAMILIES` is the fixed list of source families. Each is `train` (read only by the training
 corpus, `data/build.py`) or `eval` (read only by the evaluation tasks,
-`sparsekv.evaluation.text`), and has a `kind`: `prose` (English paragraphs), `code` (source
+`sparsekv.evaluation.tasks.text`), and has a `kind`: `prose` (English paragraphs), `code` (source
 files) or `steps` (numbered procedures in English). No family is read by both sides, so an
 evaluation prompt never reuses text the gating head was trained on (`tests/test_text_split.py`
 checks that no 64-character span of the evaluation text occurs in the default training corpus).
@@ -21,7 +21,7 @@ checks that no 64-character span of the evaluation text occurs in the default tr
   the machine; the prose and code are the same everywhere.
 
 Each reader returns `(document name, raw text)` pairs in a fixed order; cleaning prose into
-sentences is `sparsekv.evaluation.text`'s job. This module knows nothing about tokenizers, tasks
+sentences is `sparsekv.evaluation.tasks.text`'s job. This module knows nothing about tokenizers, tasks
 or training.
 """
 

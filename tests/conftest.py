@@ -6,7 +6,6 @@ import os
 import warnings
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -19,8 +18,8 @@ FAMILIES = ("llama", "qwen3", "mistral", "gemma3")
 
 
 def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
-    """A deterministic tiny random causal LM (see `sparsekv.tiny`)."""
-    from sparsekv.tiny import tiny_model as build
+    """A deterministic tiny random causal LM (see `sparsekv.models.tiny`)."""
+    from sparsekv.models.tiny import tiny_model as build
 
     return build(family, attn_implementation, seed, **overrides)
 

@@ -12,8 +12,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from sparsekv.attention import expand_heads
-from sparsekv.families import eager_attention_function
+from sparsekv.cache.attention import expand_heads
+from sparsekv.models.families import eager_attention_function
 
 _MASKS: dict[int, torch.Tensor] = {}
 NAME = "sparsekv_test_reference"

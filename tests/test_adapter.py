@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from sparsekv.adapter import ADAPTER_FILES, AdapterConfig, ScorerAdapter
-from sparsekv.teacher import TargetConfig
+from sparsekv.scoring.adapter import ADAPTER_FILES, AdapterConfig, ScorerAdapter
+from sparsekv.teacher.statistics import TargetConfig
 
 
 def _trained_like(adapter: ScorerAdapter, seed: int = 0) -> ScorerAdapter:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from sparsekv.adapter import ScorerAdapter
-from sparsekv.adapter_format import AdapterConfig
+from sparsekv.scoring.adapter import ScorerAdapter
+from sparsekv.scoring.files import AdapterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = {  # fingerprints taken from the format-1 folders before the conversion
@@ -289,7 +289,7 @@ def test_non_finite_weights_are_rejected_naming_the_tensor(tmp_path):
 
 
 def test_huge_config_is_checked_against_the_header_before_allocating(tmp_path, monkeypatch):
-    import sparsekv.adapter as adapter_module
+    import sparsekv.scoring.scorer as adapter_module
 
     folder = _adapter().save_pretrained(tmp_path / "a")
     cfg = json.loads((folder / "config.json").read_text())
@@ -349,7 +349,7 @@ def _statements(tree, anywhere: bool):
 def test_module_graph_has_no_import_cycle(anywhere):
     """The import statements of the adapter / cache / policies modules form no cycle: neither
     at module level nor counting the imports inside functions (the learned policy resolves
-    "learned:DIR" through a loader that `sparsekv.adapter` registers, not an import of it)."""
+    "learned:DIR" through a loader that `sparsekv.scoring.adapter` registers, not an import of it)."""
     import ast
 
     pkg = ROOT / "sparsekv"
@@ -372,10 +372,10 @@ def test_module_graph_has_no_import_cycle(anywhere):
         graph[name] = deps
     graph = {k: {d for d in v if d in graph and d != k} for k, v in graph.items()}
     mine = {
-        "sparsekv.adapter",
-        "sparsekv.adapter_format",
-        "sparsekv.adapter_lora",
-        "sparsekv.model_card",
+        "sparsekv.scoring.adapter",
+        "sparsekv.scoring.files",
+        "sparsekv.scoring.lora",
+        "sparsekv.scoring.card",
         "sparsekv.cache",
         "sparsekv.policies",
         "sparsekv.policies.learned",

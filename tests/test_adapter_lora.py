@@ -7,14 +7,14 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from sparsekv.adapter import ScorerAdapter
+from sparsekv.scoring.adapter import ScorerAdapter
 
 
 def _trained_lora():
     """A PeftModel whose LoRA changes the outputs (B initialized non-zero)."""
     from peft import LoraConfig, get_peft_model
 
-    from sparsekv.adapter_lora import quiet_peft
+    from sparsekv.scoring.lora import quiet_peft
 
     torch.manual_seed(0)
     config = LoraConfig(
@@ -47,7 +47,7 @@ def test_the_lora_subfolder_is_a_peft_folder_peft_loads_on_its_own(saved):
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
-    from sparsekv.adapter_lora import quiet_peft
+    from sparsekv.scoring.lora import quiet_peft
 
     with quiet_peft():
         peft = PeftModel.from_pretrained(tiny_model("llama"), str(folder / "lora"))

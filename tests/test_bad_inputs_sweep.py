@@ -4,7 +4,7 @@ clear, fails here)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import shutil
 import sys
 from pathlib import Path
@@ -16,10 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("sweep_bad_inputs", ROOT / "eval" / "sweep_bad_inputs.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sweep_bad_inputs"] = mod
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("eval.sweep_bad_inputs")
     yield mod
     shutil.rmtree(mod.TMP, ignore_errors=True)
 
@@ -119,7 +116,7 @@ def test_the_sweep_is_broad(sweep):
 
 def test_record_window_is_checked_when_the_cache_is_built():
     from sparsekv import EvictionConfig, SparseKVCache
-    from sparsekv.tiny import tiny_model
+    from sparsekv.models.tiny import tiny_model
 
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="record_window"):
@@ -142,7 +139,7 @@ def test_compress_names_bad_token_ids_and_a_missing_tokenizer():
     import torch
 
     from sparsekv import EvictionConfig, SparseKVCache, compress, compress_text
-    from sparsekv.tiny import tiny_model
+    from sparsekv.models.tiny import tiny_model
 
     model, cfg = tiny_model("llama"), EvictionConfig(budget=0.5)
     vocab = model.get_input_embeddings().num_embeddings

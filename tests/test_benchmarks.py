@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-
-import bench_gpu  # noqa: E402
-import bench_int8_step  # noqa: E402
-import bench_step_ops  # noqa: E402
-import bench_teacher  # noqa: E402
+from eval import bench_gpu, bench_int8_step, bench_step_ops, bench_teacher
 
 
 def test_bench_gpu_small_shape_on_cpu(tmp_path, capsys):

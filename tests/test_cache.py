@@ -24,7 +24,7 @@ def _policy(name: str, model):
         return policies.get("kvzip", encode=lambda text: [3 + ord(c) % 120 for c in text])
     if name not in LEARNED:
         return name
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     adapter = ScorerAdapter.for_model(model)
     return adapter.policy(blend=0.5, kernel_size=3) if name == "learned+blend" else adapter.policy()
@@ -330,7 +330,7 @@ def test_policy_arguments_are_checked_naming_the_argument(name, kwargs, words):
 
 
 def _valid_arguments(name: str) -> dict:
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     if name == "learned":
         return {"adapter": ScorerAdapter.for_model(tiny_model("llama"))}

@@ -27,8 +27,8 @@ def test_model_info_bad_dtype(capsys):
 def test_eval_refuses_a_head_trained_for_another_model(tmp_path, capsys):
     """`sparsekv eval --policy learned:DIR` with a head for another model: exit 2 before any run,
     the error naming the policy, and no result rows."""
-    from sparsekv.adapter import ScorerAdapter
-    from sparsekv.tiny import tiny_model
+    from sparsekv.models.tiny import tiny_model
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     ScorerAdapter.for_model(tiny_model("llama")).save_pretrained(tmp_path / "llama-head")
     out = tmp_path / "eval"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparsekv import EvictionConfig, SparseKVCache
-from sparsekv.compressed import CompressedContext, compress, compress_text
+from sparsekv.serving.compressed import CompressedContext, compress, compress_text
 
 CFG = dict(budget=0.3, sink_tokens=2, recent_window=8, rerank_every=4, evict_slack=2)
 GEN = dict(max_new_tokens=10, do_sample=False)
@@ -27,7 +27,7 @@ def questions() -> list[torch.Tensor]:
 
 
 def _adapter(model):
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     torch.manual_seed(0)
     return ScorerAdapter.for_model(model, hidden=8)
@@ -45,7 +45,7 @@ def _policy(name: str, model):
 def separate_run(model, context, question, config, policy) -> torch.Tensor:
     """The reference: a fresh cache, the context prefilled through it, then `generate` on
     context + question; returns question + answer ids."""
-    from sparsekv.compressed import _resolve_policy
+    from sparsekv.serving.compressed import _resolve_policy
 
     built, _ = _resolve_policy(policy)
     with SparseKVCache(model, config, built) as cache:
@@ -151,9 +151,9 @@ def test_loading_onto_another_model_is_a_clear_error(make_tiny_model, tmp_path):
 
 def test_the_package_exports_the_functions_not_the_module():
     """`sparsekv.compress` is the function even after its module was imported (the module is
-    sparsekv/compressed.py: a module named `compress` would shadow the lazy export)."""
+    sparsekv/serving/compressed.py: a module named `compress` would shadow the lazy export)."""
     import sparsekv
-    import sparsekv.compressed  # noqa: F401
+    import sparsekv.serving.compressed  # noqa: F401
     from sparsekv import compress as fn
 
     assert callable(sparsekv.compress) and fn is compress
@@ -215,7 +215,7 @@ def _random_lora(model):
 
     from peft import LoraConfig, get_peft_model
 
-    from sparsekv.adapter_lora import LoraWeights
+    from sparsekv.scoring.lora import LoraWeights
 
     torch.manual_seed(3)
     cfg = LoraConfig(
@@ -229,7 +229,7 @@ def _random_lora(model):
 def test_an_adapters_lora_is_applied_to_the_prefill_and_every_question(
     make_tiny_model, questions, tmp_path
 ):
-    from sparsekv.adapter_lora import apply_lora
+    from sparsekv.scoring.lora import apply_lora
 
     model = make_tiny_model("llama")
     adapter = _adapter(model)

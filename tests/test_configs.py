@@ -97,13 +97,8 @@ def test_every_train_config_field_is_documented():
 
 def test_default_pipeline_evaluates_the_adapters_it_trains():
     """eval/run_default.py swaps the shipped adapters of learned-4k.yaml for the new ones."""
-    import importlib.util
-
+    from eval import run_default as mod
     from sparsekv.evaluation.config import EvalConfig
-
-    spec = importlib.util.spec_from_file_location("run_default", ROOT / "eval" / "run_default.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     d = mod.eval_config("checkpoints/new/final", "checkpoints/new-perlayer/final", 3, "results/p")
     cfg = EvalConfig.from_dict(d)
     learned = [p for p in cfg.policy_specs if p.name.startswith("learned:")]

@@ -19,8 +19,8 @@ from conftest import tiny_model
 from reference import masked_reference, run_sparse
 
 from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, policies
-from sparsekv.cache import _PER_ENTRY
-from sparsekv.teacher import attention_received
+from sparsekv.cache.layer import _PER_ENTRY
+from sparsekv.teacher.statistics import attention_received
 
 CUDA = os.environ.get("SPARSEKV_TEST_DEVICE", "cuda")
 ON_GPU = CUDA.startswith("cuda")
@@ -219,7 +219,7 @@ def test_adapter_attach_generates_on_cuda():
     assert att.last_cache is not None
 
 
-# ---- the static-capacity layout (EvictionConfig(layout="static"), sparsekv.static_layer) ------
+# ---- the static-capacity layout (EvictionConfig(layout="static"), sparsekv.cache.static) ------
 STATIC = dict(budget=0.3, recent_window=4, sink_tokens=2, rerank_every=4, evict_slack=2,
               prefill_chunk=16, layout="static", max_length=160)
 
@@ -293,7 +293,7 @@ def test_static_decode_steps_do_not_sync_with_the_host(name, quantize):
 def test_static_decode_step_is_captured_in_cuda_graphs(name, quantize):
     """model.forward compiled with mode="reduce-overhead": the decode step runs as CUDA graphs
     (no cudagraph skip, one compiled graph) and gives the eager tokens; with INT8 the step's
-    attention is the Triton kernel (`sparsekv.int8_attention`) inside the graph; with
+    attention is the Triton kernel (`sparsekv.cache.int8_attention`) inside the graph; with
     "learned0" the step's scoring and its writes to freed slots are in the graph too."""
     from torch._dynamo.utils import counters
 
@@ -332,7 +332,7 @@ def test_int8_triton_kernel_matches_the_torch_one_on_cuda(dtype, slots, groups):
     """The Triton kernel (what CUDA takes by default) against the blockwise torch one, masks,
     softcap and several splits included; float32 within 1e-4, 16-bit within 2e-2."""
     from sparsekv.cache import quantize
-    from sparsekv.int8_attention import decode_attention, triton_available
+    from sparsekv.cache.int8_attention import decode_attention, triton_available
 
     if not triton_available():
         pytest.skip("triton is not installed")
@@ -383,7 +383,7 @@ def test_a_snapkv_decode_step_holds_no_float_copy_of_its_keys_on_cuda(layout, qu
     step adds to the peak device memory stays below a float32 copy of a layer's kept keys (the
     scoring converts `KEY_BLOCK` keys at a time and reads an INT8 store through its scales; before,
     it held the float32 copy and, for INT8, the dequantized keys and values too)."""
-    from sparsekv import attention as attn_mod
+    from sparsekv.cache import attention as attn_mod
 
     monkeypatch.setattr(attn_mod, "KEY_BLOCK", 256)
     model = tiny_model("llama").to(CUDA, torch.bfloat16)

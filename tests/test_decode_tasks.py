@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from sparsekv import EvictionConfig, SparseKVCache
-from sparsekv.evaluation import decode_tasks, text
-from sparsekv.evaluation.codec import AsciiCodec
 from sparsekv.evaluation.config import EvalConfig
-from sparsekv.evaluation.decode import RerankClock, output_logits, run_decode, trace_sample
-from sparsekv.evaluation.decode_grid import read_rows, run_decode_grid
-from sparsekv.evaluation.tasks import TASKS, make_sample
-from sparsekv.tiny import tiny_model
+from sparsekv.evaluation.running.decode import RerankClock, output_logits, run_decode, trace_sample
+from sparsekv.evaluation.running.decode_grid import read_rows, run_decode_grid
+from sparsekv.evaluation.tasks import TASKS, decode, make_sample, text
+from sparsekv.evaluation.tasks.codec import AsciiCodec
+from sparsekv.models.tiny import tiny_model
 
 DECODE = ("decode_prose", "decode_code", "decode_steps", "decode_recall")
 
@@ -45,7 +44,7 @@ def codec():
 
 def test_tasks_registered_with_decode_kind():
     for name in DECODE:
-        assert TASKS[name].kind == decode_tasks.DECODE_KIND
+        assert TASKS[name].kind == decode.DECODE_KIND
         assert TASKS[name].protocols == ("agnostic",)
 
 
@@ -184,7 +183,7 @@ def test_grid_rows_resume_and_report(codec, tmp_path):
 def test_sparsekv_eval_runs_decode_samples(tmp_path):
     """`sparsekv eval` hands decode samples to the decode run: its rows carry the per-window
     metrics and the re-rank interval, next to the harness's own fields."""
-    from sparsekv.evaluation.runner import run_eval
+    from sparsekv.evaluation.running.runner import run_eval
 
     cfg = EvalConfig(out=str(tmp_path / "e"), model="tiny:gemma3", tasks=["decode_prose"], lengths=[300],
                      policies=["h2o@rerank_every=8@label=h2o-r8"], budgets=[48], samples=1,
@@ -200,7 +199,7 @@ def test_sparsekv_eval_runs_decode_samples(tmp_path):
 def test_grid_rows_of_a_learned_method_carry_its_adapter_hash(codec, tmp_path):
     """The decode grid's rows come from the harness's row builder: a learned method's rows
     record its adapter's fingerprint, the heuristics' rows none."""
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     model = tiny_model("gemma3")
     adapter = ScorerAdapter.for_model(model)
@@ -219,7 +218,11 @@ def test_grid_rows_of_a_learned_method_carry_its_adapter_hash(codec, tmp_path):
 def test_rerank_study_pairs_each_interval_with_never(tmp_path):
     """The re-rank study groups labels that differ only in `-r<R>`, pairs each R with R=0 on the
     same samples, and leaves out a policy run at one R only."""
-    from sparsekv.evaluation.decode_report import rerank_markdown, rerank_study, write_decode_report
+    from sparsekv.evaluation.reports.decode import (
+        rerank_markdown,
+        rerank_study,
+        write_decode_report,
+    )
 
     def row(label, r, sample, kl):
         return {"policy": label, "rerank_every": r, "sample_id": sample, "task": "decode_prose",

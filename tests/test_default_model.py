@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparsekv import load_default_model
-from sparsekv.default_model import default_model_path, resolve_dtype
+from sparsekv.models.default import default_model_path, resolve_dtype
 
 
 def test_bad_dtype_names_the_argument():
@@ -69,7 +69,7 @@ def test_shipped_adapter_keeps_a_needle_in_every_full_layer(default_model):
     from pathlib import Path
 
     from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, policies
-    from sparsekv.evaluation.text import corpus
+    from sparsekv.evaluation.tasks.text import corpus
 
     model, tok = default_model
     root = Path(__file__).resolve().parents[1]
@@ -104,8 +104,8 @@ def test_span_words_keeps_a_uuid_whole_with_the_real_tokenizer(default_model):
     from pathlib import Path
 
     from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache
-    from sparsekv.evaluation.text import corpus
-    from sparsekv.words import word_starts, word_table
+    from sparsekv.evaluation.tasks.text import corpus
+    from sparsekv.policies.words import word_starts, word_table
 
     model, tok = default_model
     value = "0ddb2588-6d40-4d12-9e28-5a1c3b7f90e4"

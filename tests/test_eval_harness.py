@@ -222,13 +222,13 @@ def test_policy_spec_syntax():
     cfg = EvalConfig(model="tiny:llama", policies=["snapkv", "h2o@rerank_every=4@budgets=0.3@label=h2o-r4"],
                      budgets=[0.1, 0.3], tasks=["passkey"], protocols=["agnostic"], samples=1)
     assert [cfg.budgets_of(p) for p in cfg.policy_specs] == [[0.1, 0.3], [0.3]]
-    from sparsekv.evaluation.plan import method_keys
+    from sparsekv.evaluation.running.plan import method_keys
 
     assert method_keys(cfg, "agnostic") == {("full", "1.0"), ("snapkv", "0.1"), ("snapkv", "0.3"), ("h2o-r4", "0.3")}
 
 
 def test_per_method_protocols_parse_and_share_a_label_across_protocols():
-    from sparsekv.evaluation.plan import grid_size, method_keys
+    from sparsekv.evaluation.running.plan import grid_size, method_keys
 
     assert parse_policy("snapkv@protocols=aware").protocols == ("aware",)
     assert parse_policy({"policy": "h2o", "protocols": ["agnostic", "aware"]}).protocols == ("agnostic", "aware")
@@ -300,7 +300,7 @@ def test_learned_adapter_runs_in_the_grid(tmp_path):
     import torch
 
     from sparsekv import ScorerAdapter
-    from sparsekv.evaluation.models import load_model
+    from sparsekv.evaluation.running.models import load_model
 
     model, _ = load_model("tiny:llama")
     torch.manual_seed(0)
@@ -367,7 +367,7 @@ def test_resume_keeps_every_finished_row_and_runs_only_the_missing_ones(run_dir,
 
 
 def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
-    from sparsekv.evaluation.report import glance, method_order, summarize
+    from sparsekv.evaluation.reports.tables import glance, method_order, summarize
 
     def row(task, sid, policy, budget, score, kl, spec=None):
         return {"source": "sparsekv", "task": task, "length": 512, "protocol": "agnostic", "sample_id": sid,
@@ -405,7 +405,7 @@ def test_at_a_glance_averages_shares_of_the_full_cache_and_counts_lowest_kl():
 def test_kl_where_the_full_cache_is_right_leaves_out_its_wrong_answers():
     """A method that moves the model off a wrong full-cache answer has a large KL on that sample;
     `kl_right` averages only the samples the full cache answers right (question tasks only)."""
-    from sparsekv.evaluation.report import summarize
+    from sparsekv.evaluation.reports.tables import summarize
 
     def row(task, sid, policy, score, kl):
         return {"source": "sparsekv", "task": task, "length": 512, "protocol": "aware", "sample_id": sid,
@@ -423,7 +423,7 @@ def test_kl_where_the_full_cache_is_right_leaves_out_its_wrong_answers():
 
 
 def test_side_by_side_puts_both_protocols_and_every_budget_of_a_method_in_one_row():
-    from sparsekv.evaluation.report import side_by_side, summarize
+    from sparsekv.evaluation.reports.tables import side_by_side, summarize
 
     def row(protocol, sid, policy, budget, score, kl):
         return {"source": "sparsekv", "task": "passkey", "length": 512, "protocol": protocol, "sample_id": sid,
@@ -462,7 +462,7 @@ def test_report_only_needs_the_rows_not_the_prompts(run_dir, tmp_path, capsys):
 
 
 def test_a_stopped_grid_exits_130_without_a_traceback(monkeypatch, tmp_path):
-    from sparsekv.evaluation import runner
+    from sparsekv.evaluation.running import runner
 
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt
@@ -472,7 +472,7 @@ def test_a_stopped_grid_exits_130_without_a_traceback(monkeypatch, tmp_path):
 
 
 def test_share_interval_brackets_the_share_and_narrows_with_more_samples():
-    from sparsekv.evaluation.report import share_interval
+    from sparsekv.evaluation.reports.tables import share_interval
 
     assert share_interval([[(1.0, 1.0)] * 5]) == (1.0, 1.0)
     # a method that answers 60% of the prompts the full cache answers (all of them)

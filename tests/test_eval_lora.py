@@ -19,9 +19,9 @@ def _adapter(folder: Path, model, nonzero: bool) -> Path:
     default peft initialization: the LoRA adds exactly nothing)."""
     from peft import LoraConfig, get_peft_model
 
-    from sparsekv.adapter import ScorerAdapter
-    from sparsekv.adapter_lora import quiet_peft
-    from sparsekv.tiny import tiny_model
+    from sparsekv.models.tiny import tiny_model
+    from sparsekv.scoring.adapter import ScorerAdapter
+    from sparsekv.scoring.lora import quiet_peft
 
     torch.manual_seed(0)
     config = LoraConfig(
@@ -59,8 +59,8 @@ def _grid(out: Path, adapter: Path, shared: bool = True) -> EvalConfig:
 
 
 def _run(tmp_path: Path, nonzero: bool, shared: bool = True, adapter: Path | None = None):
-    from sparsekv.evaluation.models import load_model
-    from sparsekv.evaluation.runner import run_eval
+    from sparsekv.evaluation.running.models import load_model
+    from sparsekv.evaluation.running.runner import run_eval
 
     model, codec = load_model("tiny:llama", seed=3)
     before = {n: t.detach().clone() for n, t in model.state_dict().items()}
@@ -134,8 +134,8 @@ def test_the_lora_fork_gives_the_rows_of_a_live_lora_prefill(nonzero, tmp_path):
 
 
 def test_the_lora_method_forks_its_own_prefill_and_resume_keeps_its_rows(nonzero):
-    from sparsekv.evaluation.execute import Runner
-    from sparsekv.evaluation.runner import run_eval
+    from sparsekv.evaluation.running.execute import Runner
+    from sparsekv.evaluation.running.runner import run_eval
 
     rows, cfg, model, codec = nonzero
     forks = Runner(model, codec, cfg).plan().forkable

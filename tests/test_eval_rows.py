@@ -100,7 +100,7 @@ def test_a_fresh_run_into_a_folder_with_rows_refuses_and_keeps_them(tmp_path, ca
 def test_overwrite_replaces_the_grids_slots_and_keeps_every_other_row(
     tmp_path, peer_rows, monkeypatch
 ):
-    from sparsekv.evaluation import execute
+    from sparsekv.evaluation.running import execute
 
     out = tmp_path / "x"
     assert main([*_grid("0.1,0.3"), "--out", str(out)]) == 0
@@ -146,7 +146,7 @@ def test_resume_with_another_budget_list_keeps_the_other_budgets_rows(tmp_path, 
 
 
 def test_growing_the_budget_list_runs_only_the_new_rows(tmp_path, monkeypatch):
-    from sparsekv.evaluation import execute
+    from sparsekv.evaluation.running import execute
 
     out = tmp_path / "x"
     assert main([*_grid("0.3", samples="2"), "--out", str(out)]) == 0
@@ -175,7 +175,7 @@ def _adapter(path: Path, shift: float = 0.0, uses: dict | None = None) -> Path:
     import torch
 
     from sparsekv import ScorerAdapter
-    from sparsekv.evaluation.models import load_model
+    from sparsekv.evaluation.running.models import load_model
 
     model, _ = load_model("tiny:llama")
     torch.manual_seed(0)
@@ -187,7 +187,7 @@ def _adapter(path: Path, shift: float = 0.0, uses: dict | None = None) -> Path:
 
 
 def test_changed_adapter_weights_at_one_path_are_another_method(tmp_path, capsys):
-    from sparsekv.evaluation.report import summarize
+    from sparsekv.evaluation.reports.tables import summarize
 
     path = _adapter(tmp_path / "adapter")
     out = tmp_path / "x"
@@ -263,7 +263,7 @@ def test_rows_from_before_adapter_hashes_resume_as_the_current_adapter(tmp_path,
 
 def _hold_lock(folder: Path) -> subprocess.Popen:
     code = (
-        "import sys, time; from sparsekv.evaluation.folder import FolderLock; "
+        "import sys, time; from sparsekv.evaluation.rows.folder import FolderLock; "
         "FolderLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(120)"
     )
     proc = subprocess.Popen(
@@ -313,7 +313,7 @@ def test_a_torn_last_line_is_dropped_with_a_warning_and_the_rest_kept(tmp_path, 
 
 
 def test_config_yaml_is_written_atomically(tmp_path, monkeypatch):
-    from sparsekv.evaluation import folder
+    from sparsekv.evaluation.rows.store import folder
 
     out = tmp_path / "x"
     assert main([*_grid("0.3"), "--out", str(out)]) == 0
@@ -411,8 +411,8 @@ def test_the_device_is_part_of_the_setup(tmp_path, capsys):
     import torch
 
     from sparsekv.evaluation.config import EvalConfig
-    from sparsekv.evaluation.folder import check_same_setup
-    from sparsekv.evaluation.models import load_model
+    from sparsekv.evaluation.rows.folder import check_same_setup
+    from sparsekv.evaluation.running.models import load_model
 
     with pytest.raises(ValueError, match="device='gpu'; allowed values: cpu, cuda, cuda:<index>"):
         EvalConfig(model="tiny:llama", device="gpu")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from sparsekv.evaluation import metrics as M
-from sparsekv.evaluation.codec import AsciiCodec
 from sparsekv.evaluation.tasks import DEPTHS, TASKS, make_sample
-from sparsekv.evaluation.text import corpus, join_sentences, sentence_stream
+from sparsekv.evaluation.tasks.codec import AsciiCodec
+from sparsekv.evaluation.tasks.text import corpus, join_sentences, sentence_stream
 
 CODEC = AsciiCodec()
 # The prompt tasks of tasks.py / tasks_words.py (the decode tasks have tests of their own).
@@ -156,7 +156,7 @@ def test_metrics():
 
 
 def test_wordkey_and_uuidkey_values_and_wordings_vary():
-    from sparsekv.evaluation.tasks_words import VALUE_WORDS
+    from sparsekv.evaluation.tasks.words import VALUE_WORDS
 
     uuid_re = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
     wordings = set()
@@ -197,7 +197,7 @@ def test_commonwords_answer_is_the_most_common_words():
 
 
 def test_freqwords_answer_is_the_three_most_frequent_made_up_words():
-    from sparsekv.evaluation.tasks_words import prose_vocabulary
+    from sparsekv.evaluation.tasks.words import prose_vocabulary
 
     s = make_sample("freqwords", CODEC, 2048, 2, seed=0)
     words = s.context.split("\n\n", 1)[1].split()

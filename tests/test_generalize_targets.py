@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from eval import generalize_targets
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("generalize_targets", ROOT / "eval" / "generalize_targets.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-T = _module()
+T = generalize_targets
 
 
 def _row(task, protocol, policy, budget, i, score, kl=0.1, **kw):

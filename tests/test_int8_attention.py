@@ -1,4 +1,4 @@
-"""Decode attention that reads the INT8 store (`sparsekv.int8_attention`).
+"""Decode attention that reads the INT8 store (`sparsekv.cache.int8_attention`).
 
 Before it, a static layer's INT8 decode step dequantized every slot of its layer into a copy
 twice the size of the store (on the H200: 1.19 GiB per layer at batch 60, 32K tokens, and no
@@ -22,10 +22,15 @@ import torch
 from conftest import tiny_model
 
 from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, policies
-from sparsekv import attention as attn_mod
-from sparsekv import cache as cache_mod
+from sparsekv.cache import attention as attn_mod
 from sparsekv.cache import dequantize, quantize
-from sparsekv.int8_attention import SPLIT_BLOCK, decode_attention, split_size, triton_available
+from sparsekv.cache import layer as cache_mod
+from sparsekv.cache.int8_attention import (
+    SPLIT_BLOCK,
+    decode_attention,
+    split_size,
+    triton_available,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -345,7 +350,7 @@ def _case_ids(n: int) -> torch.Tensor:
 # ---- the Triton kernel, through Triton's interpreter on the CPU -------------------------------
 _TRITON_CHECK = r"""
 import torch
-from sparsekv.int8_attention import decode_attention
+from sparsekv.cache.int8_attention import decode_attention
 from test_int8_attention import _case, _reference
 
 worst = {}

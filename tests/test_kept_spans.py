@@ -3,14 +3,9 @@ whose ids the offsets do not reproduce is skipped rather than misread."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("kept_spans", ROOT / "eval" / "kept_spans.py")
-kept_spans = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kept_spans)
+from eval import kept_spans
 
 
 class CharTokenizer:

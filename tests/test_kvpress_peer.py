@@ -23,13 +23,7 @@ PEER = ROOT / "eval" / "peers" / "kvpress"
 
 
 def _load_peer():
-    spec = importlib.util.spec_from_file_location(
-        "kvpress_peer_run_presses", PEER / "run_presses.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("eval.peers.kvpress.run_presses")
 
 
 peer = _load_peer()
@@ -43,9 +37,9 @@ def peer_module(name: str):
 
 
 def _prompts(tmp_path: Path, tasks=("passkey", "ppl", "gen"), length=256) -> Path:
-    from sparsekv.evaluation.codec import AsciiCodec
     from sparsekv.evaluation.config import EvalConfig
-    from sparsekv.evaluation.runner import build_samples, write_prompts
+    from sparsekv.evaluation.running.runner import build_samples, write_prompts
+    from sparsekv.evaluation.tasks.codec import AsciiCodec
 
     cfg = EvalConfig(
         model="tiny:gemma3",
@@ -61,7 +55,7 @@ def _prompts(tmp_path: Path, tasks=("passkey", "ppl", "gen"), length=256) -> Pat
 
 
 def test_row_fields_are_the_harness_fields():
-    from sparsekv.evaluation.runner import ROW_FIELDS
+    from sparsekv.evaluation.running.runner import ROW_FIELDS
 
     assert peer.harness_row_fields() == ROW_FIELDS
 
@@ -178,8 +172,8 @@ class FakeRunner:
 def test_fake_runner_rows_land_in_the_harness_summary(tmp_path):
     from sparsekv.evaluation import EvalConfig, ingest_rows, run_eval
     from sparsekv.evaluation import metrics as M
-    from sparsekv.evaluation.report import summarize
-    from sparsekv.evaluation.runner import ROW_FIELDS, read_rows
+    from sparsekv.evaluation.reports.tables import summarize
+    from sparsekv.evaluation.running.runner import ROW_FIELDS, read_rows
 
     out = tmp_path / "eval"
     run_eval(
@@ -255,7 +249,7 @@ def test_fake_runner_rows_land_in_the_harness_summary(tmp_path):
 
 def test_resume_skips_rows_already_written(tmp_path):
     from sparsekv.evaluation import metrics as M
-    from sparsekv.evaluation.runner import ROW_FIELDS
+    from sparsekv.evaluation.running.runner import ROW_FIELDS
 
     samples = [
         s
@@ -420,7 +414,7 @@ def test_questions_are_fed_causally_when_only_full_layers_are_compressed():
     the context), and every position's logits equal a plain token-by-token reference."""
     from transformers import DynamicCache
 
-    from sparsekv.tiny import tiny_model
+    from sparsekv.models.tiny import tiny_model
 
     kp = peer_module("kvp_pipeline")
     model = tiny_model("gemma3")

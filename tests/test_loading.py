@@ -1,4 +1,4 @@
-"""One model loader (`sparsekv.loading`) behind training's and evaluation's: the same model for
+"""One model loader (`sparsekv.models.loading`) behind training's and evaluation's: the same model for
 the same spec, each caller's tokenizer, dtype / attention / seed applied, clear errors."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.evaluation.codec import AsciiCodec, HFCodec
-from sparsekv.evaluation.models import load_model as eval_load
-from sparsekv.loading import load_model
-from sparsekv.tiny import tiny_model
+from sparsekv.evaluation.running.models import load_model as eval_load
+from sparsekv.evaluation.tasks.codec import AsciiCodec, HFCodec
+from sparsekv.models.loading import load_model
+from sparsekv.models.tiny import tiny_model
 from train.models import ByteTokenizer
 from train.models import load_model as train_load
 

@@ -43,7 +43,7 @@ def _blocks(n: int, length: int = 112, seed: int = 1) -> torch.Tensor:
 
 
 def _adapter(model):
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     torch.manual_seed(0)
     return ScorerAdapter.for_model(model, hidden=8)
@@ -169,7 +169,7 @@ def test_train_py_trains_a_lora_after_the_head_and_for_a_saved_adapter(tmp_path)
     """`lora:` in the training config: final/ holds the head and lora/; `lora.adapter=DIR` then
     trains only a LoRA for that adapter into another run folder (here the same LoRA again)."""
     from data.build import BuildConfig, build_file
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
     from train.loop import main
 
     corpus = build_file(

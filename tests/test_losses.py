@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from sparsekv.losses import LossConfig, ranked_positions, ranking_loss
+from sparsekv.teacher.losses import LossConfig, ranked_positions, ranking_loss
 
 
 def _target(b=2, h=2, n=20, seed=0):
@@ -140,7 +140,7 @@ def test_config_validation():
 
 
 def test_mse_equals_its_formula_on_the_ranked_positions():
-    from sparsekv.losses import compute_loss, mse_loss
+    from sparsekv.teacher.losses import compute_loss, mse_loss
 
     g = torch.Generator().manual_seed(4)
     pred = torch.randn(2, 3, 12, generator=g)
@@ -163,7 +163,7 @@ def test_mse_equals_its_formula_on_the_ranked_positions():
 
 
 def test_mse_gradient_only_on_ranked_positions_and_descends():
-    from sparsekv.losses import compute_loss
+    from sparsekv.teacher.losses import compute_loss
 
     g = torch.Generator().manual_seed(5)
     log_t = torch.randn(1, 2, 16, generator=g)
@@ -184,7 +184,7 @@ def test_mse_gradient_only_on_ranked_positions_and_descends():
 
 
 def test_ranking_loss_on_a_log_target_uses_its_exponential():
-    from sparsekv.losses import compute_loss
+    from sparsekv.teacher.losses import compute_loss
 
     target = _target()
     valid = torch.ones(2, 20, dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""Grouped-query decode attention on the KV heads (`sparsekv.attention.packed_decode_sdpa`).
+"""Grouped-query decode attention on the KV heads (`sparsekv.cache.attention.packed_decode_sdpa`).
 
 Compiled, transformers' sdpa repeats every key and value `groups` times for a masked decode step
 (measured on the H200: a 6.6 GiB allocation per layer at batch 84, 32K tokens, 0.3 budget); the
@@ -14,8 +14,8 @@ from conftest import tiny_model
 from transformers import StaticCache
 
 from sparsekv import EvictionConfig, SparseKVCache
-from sparsekv import attention as attn
-from sparsekv.attention import packed_decode_sdpa
+from sparsekv.cache import attention as attn
+from sparsekv.cache.attention import packed_decode_sdpa
 
 
 def _reference(query, key, value, mask, scaling):

@@ -9,9 +9,9 @@ import torch
 from conftest import tiny_model
 
 from sparsekv import EvictionConfig, SparseKVCache, policies
-from sparsekv.evaluation.codec import AsciiCodec
-from sparsekv.families import attention_modules
-from sparsekv.reconstruction import repeat_ids
+from sparsekv.evaluation.tasks.codec import AsciiCodec
+from sparsekv.models.families import attention_modules
+from sparsekv.policies.reconstruction import repeat_ids
 
 PEER_FAMILIES = ("llama", "qwen3", "gemma3")
 CODEC = AsciiCodec()
@@ -315,14 +315,9 @@ def test_expected_attention_arguments_are_checked():
 
 
 def test_bench_prefill_writes_cost_columns(tmp_path, monkeypatch):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "eval" / "bench_prefill.py"
-    spec = importlib.util.spec_from_file_location("bench_prefill", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from eval import bench_prefill as bench
     monkeypatch.setattr(bench, "prose_ids", lambda codec, length: _ids(length)[0].tolist())
     assert bench.main(["--model", "tiny:gemma3", "--length", "96", "--rounds", "1", "--policies",
                        "kvzip,expected_attention", "--out", str(tmp_path)]) == 0
@@ -358,7 +353,7 @@ def test_left_padded_row_keeps_what_it_keeps_alone(name, family):
 
 def test_harness_builds_kvzip_with_its_codec_and_forks_both_peers():
     from sparsekv.evaluation.config import EvalConfig
-    from sparsekv.evaluation.execute import Runner
+    from sparsekv.evaluation.running.execute import Runner
 
     model = _model("gemma3", torch.float32)
     cfg = EvalConfig(model="tiny:gemma3", policies=["kvzip", "expected_attention"], budgets=[0.3],

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from sparsekv.cli import main
-from sparsekv.evaluation.plots import readme_figure, readme_series
-from sparsekv.evaluation.summary import glance_stats, summarize, views
+from sparsekv.evaluation.reports.plots import readme_figure, readme_series
+from sparsekv.evaluation.reports.summary import glance_stats, summarize, views
 
 
 def _rows() -> list[dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.scorer import GatingHead
+from sparsekv.scoring.head import GatingHead
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp", "kvzap"])
@@ -67,7 +67,7 @@ def test_gradients_reach_every_layer_module():
 
 @pytest.mark.integration
 def test_head_is_under_one_percent_of_the_default_model(default_model):
-    from sparsekv.families import model_shape
+    from sparsekv.models.families import model_shape
 
     model, _ = default_model
     shape = model_shape(model)

@@ -11,7 +11,6 @@ compare what a user sees: the generated tokens and logits within 1e-5."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,9 @@ from conftest import tiny_model
 from reference import run_sparse
 
 from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, policies
-from sparsekv.cache import _PER_ENTRY
+from sparsekv.cache.layer import _PER_ENTRY
+from sparsekv.cache.static import ENTRY_NAMES, finish_steps, slot_count, slots_per_layer
 from sparsekv.policies.base import _REGISTRY
-from sparsekv.static_layer import ENTRY_NAMES, finish_steps, slot_count, slots_per_layer
 
 SMALL = dict(
     budget=0.3, recent_window=4, sink_tokens=2, rerank_every=5, evict_slack=2, prefill_chunk=16
@@ -542,8 +541,7 @@ def test_compiled_decode_step_generates_the_same_tokens(name, quantize):
 def test_bench_serving_dry_run_on_cpu(tmp_path, capsys):
     """eval/bench_serving.py end to end at a tiny shape: every mode, a batch searched by really
     running it under the (CPU-simulated) memory cap, measured tokens/s."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-    import bench_serving
+    from eval import bench_serving
 
     out = tmp_path / "rows.json"
     assert bench_serving.main(["--tiny", "--lengths", "256", "--json", str(out)]) == 0
@@ -569,10 +567,9 @@ def test_bench_serving_table_keeps_a_failed_search_out_of_the_ratios(capsys):
     """A mode where every probe past the eager batch-1 run ran out of memory has no speed to
     compare: the table says so instead of printing batch 1's tok/s as a ratio, and such a row is
     never the full-cache reference of the others."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
     import argparse
 
-    import bench_serving
+    from eval import bench_serving
 
     rows = [
         {"length": 8, "mode": "dynamic", "batch": 4, "fails_at": 5, "tok_s": 100.0, "ms_per_step": 40.0},
@@ -594,10 +591,9 @@ def test_bench_serving_search_sizes_the_batch_from_what_a_sequence_adds_to_the_p
     """The first compiled probe comes from the peak growth between eager batches 1 and 2 (KV plus
     per-sequence transients), not from the KV bytes alone, which would overshoot and spend the
     probes on out-of-memory runs (what happened to INT8 on the H200)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
     import argparse
 
-    import bench_serving
+    from eval import bench_serving
 
     gib = 2**30
     weights, kv, transient = 15 * gib, gib, 3 * gib  # a step needs 4 GiB per sequence at its peak
@@ -623,8 +619,7 @@ def test_bench_serving_resume_measures_only_what_the_file_lacks(tmp_path, monkey
     """A run cut short keeps its finished rows; `--resume` measures only the missing and failed
     (length, mode) pairs, keeps the rows it does not plan to measure, and refuses rows measured
     under another setup, naming the setting. Each write replaces the file whole."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-    import bench_serving
+    from eval import bench_serving
 
     calls, failed = [], []
 
@@ -667,8 +662,7 @@ def test_bench_serving_resume_measures_only_what_the_file_lacks(tmp_path, monkey
 def test_bench_serving_keeps_the_other_modes_when_one_fails(tmp_path, monkeypatch, capsys):
     """A mode that fails with anything but out-of-memory (a kernel that does not compile, say)
     gets a row with its error; the modes after it still run and the table says why."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
-    import bench_serving
+    from eval import bench_serving
 
     real = bench_serving.search
 

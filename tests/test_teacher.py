@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from sparsekv.families import model_shape
-from sparsekv.teacher import (
+from sparsekv.models.families import model_shape
+from sparsekv.teacher.statistics import (
     TargetConfig,
     attention_received,
     collect_attention_stats,
@@ -347,7 +347,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     import resource, sys, torch
     n, mode = int(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
-    from sparsekv.teacher import attention_received
+    from sparsekv.teacher.statistics import attention_received
     q = torch.randn(1, 4, n, 256); k = torch.randn(1, 1, n, 256)  # gemma-3-270m's attention shape
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if mode == "blockwise":

@@ -6,13 +6,13 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from sparsekv.families import attention_modules, model_shape
-from sparsekv.teacher import TargetConfig, cumulative_targets, teacher_targets
-from sparsekv.teacher_reconstruction import (
+from sparsekv.models.families import attention_modules, model_shape
+from sparsekv.teacher.reconstruction import (
     kvzip_plus_received,
     reconstruction_layout,
     training_targets,
 )
+from sparsekv.teacher.statistics import TargetConfig, cumulative_targets, teacher_targets
 
 PROMPT = [5, 9, 17, 33]  # stands for the tokenized REPEAT_PROMPT
 BOS = 1  # the tiny models' bos_token_id

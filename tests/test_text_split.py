@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from sparsekv import sources
-from sparsekv.evaluation.codec import AsciiCodec
 from sparsekv.evaluation.tasks import TASKS, make_sample
-from sparsekv.evaluation.text import eval_texts
+from sparsekv.evaluation.tasks.codec import AsciiCodec
+from sparsekv.evaluation.tasks.text import eval_texts
 
 WINDOW = 64
 _BASE = np.uint64(1_000_003)

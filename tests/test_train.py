@@ -92,7 +92,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def adapter_files() -> set[str]:
-    from sparsekv.adapter import ADAPTER_FILES
+    from sparsekv.scoring.adapter import ADAPTER_FILES
 
     return set(ADAPTER_FILES)
 
@@ -142,7 +142,7 @@ def test_smoke_run_writes_the_exact_checkpoints(smoke_run):
 
 
 def test_smoke_run_saves_the_resolved_config_and_a_loadable_adapter(smoke_run):
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     out, _ = smoke_run
     saved = load_config(out / "config.yaml")
@@ -173,7 +173,7 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(smoke_run, full_run, tm
     summary = run_inprocess(["max_steps=6", "inference.recency=1.5", "inference.kernel_size=5", *common(out, corpus)])
     assert summary["step"] == 6
     assert losses(out) == losses(full_run)  # per step, bit for bit
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     final = ScorerAdapter.from_pretrained(out / "final").config
     assert (final.recency, final.kernel_size) == (1.5, 5)
@@ -212,9 +212,9 @@ def test_a_run_killed_at_any_moment_resumes_exactly(full_run, tmp_path, corpus):
 
 
 def test_only_the_head_gets_gradients(corpus):
-    from sparsekv.adapter import ScorerAdapter
-    from sparsekv.losses import LossConfig
-    from sparsekv.teacher import TargetConfig
+    from sparsekv.scoring.adapter import ScorerAdapter
+    from sparsekv.teacher.losses import LossConfig
+    from sparsekv.teacher.statistics import TargetConfig
     from train.loop import LayerwiseHead, Objective
 
     model, tok, _ = load_model("tiny:llama", seed=0)
@@ -464,7 +464,7 @@ def test_push_to_hub_exports_the_final_adapter_with_config_and_metrics(
     assert "## Training config" in card and '"max_steps": 2' in card and '"last_metrics"' in card
     from safetensors.torch import load, load_file
 
-    from sparsekv.adapter import WEIGHTS_NAME
+    from sparsekv.scoring.adapter import WEIGHTS_NAME
 
     pushed = load(calls["upload"][WEIGHTS_NAME])
     final = load_file(out / "final" / WEIGHTS_NAME)
@@ -663,7 +663,7 @@ def test_deepspeed_cpu_config_trains_under_the_deepspeed_engine(full_run, tmp_pa
     assert state["distributed"] == expected
     assert "deepspeed" in {p.name for p in (out / "step-0004").iterdir()}
     assert "distributed_type=DEEPSPEED" in proc.stdout
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     card = ScorerAdapter.from_pretrained(out / "final").config.training_config
     assert card["result"]["distributed"] == expected
@@ -707,7 +707,7 @@ def test_teacher_cache_serves_later_epochs_and_follows_the_target_config(tmp_pat
     run_inprocess([*base, f"output_dir={tmp_path / 'a'}", f"teacher_cache={cache}", uses])
     rows = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["teacher_cached"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     recorded = ScorerAdapter.from_pretrained(str(tmp_path / "a" / "final")).config
     assert recorded.settings("agnostic")["kernel_size"] == 3 and recorded.kernel_size == 1
@@ -724,7 +724,7 @@ def test_teacher_cache_serves_later_epochs_and_follows_the_target_config(tmp_pat
 
 
 def test_cached_rows_are_the_computed_tensors(tmp_path, corpus):
-    from sparsekv.teacher import TargetConfig
+    from sparsekv.teacher.statistics import TargetConfig
     from train.targets import TargetCache, TeacherTargets, model_identity
 
     model, tok, base_id = load_model("tiny:gemma3", seed=0)
@@ -757,7 +757,7 @@ def test_cached_rows_are_the_computed_tensors(tmp_path, corpus):
 
 
 def test_target_cache_keys_on_min_distance(tmp_path):
-    from sparsekv.teacher import TargetConfig
+    from sparsekv.teacher.statistics import TargetConfig
     from train.targets import TargetCache
 
     def folder(target: dict):
@@ -774,9 +774,9 @@ def test_target_cache_keys_on_min_distance(tmp_path):
 
 
 def test_kvzap_objective_trains_the_kvzap_head_with_mse(corpus):
-    from sparsekv.adapter import ScorerAdapter
-    from sparsekv.losses import LossConfig
-    from sparsekv.teacher import TargetConfig
+    from sparsekv.scoring.adapter import ScorerAdapter
+    from sparsekv.teacher.losses import LossConfig
+    from sparsekv.teacher.statistics import TargetConfig
     from train.loop import LayerwiseHead, Objective
 
     model, tok, _ = load_model("tiny:llama", seed=0)

@@ -9,7 +9,7 @@ from conftest import tiny_model
 
 from sparsekv import EvictionConfig, SparseKVCache, policies
 from sparsekv.policies.base import close_words
-from sparsekv.words import BEGINS, BREAKS, CONTINUES, word_starts, word_table
+from sparsekv.policies.words import BEGINS, BREAKS, CONTINUES, word_starts, word_table
 
 
 class PieceTokenizer:

@@ -64,18 +64,18 @@ class TrainConfig:
     """Layers that get a gating head; default: the full-attention layers (all if none slide)."""
     head: str = "mlp"
     """Per-layer head: "mlp" (2-layer MLP), "linear" (both after a weightless RMSNorm) or "kvzap"
-    (KVzap's Linear-GELU-Linear, no norm; see sparsekv.scorer)."""
+    (KVzap's Linear-GELU-Linear, no norm; see sparsekv.scoring.head)."""
     head_hidden: int = 64
     """Hidden width of the MLP head ("mlp" and "kvzap")."""
     target: dict = field(default_factory=dict)
-    """Teacher target definition: fields of sparsekv.teacher.TargetConfig (empty = defaults)."""
+    """Teacher target definition: fields of sparsekv.teacher.statistics.TargetConfig (empty = defaults)."""
     loss: dict = field(default_factory=dict)
-    """Loss weights: fields of sparsekv.losses.LossConfig (empty = defaults)."""
+    """Loss weights: fields of sparsekv.teacher.losses.LossConfig (empty = defaults)."""
     inference: dict = field(default_factory=dict)
     """The learned policy's defaults written into the adapter: `recency` (log-score bonus per
     1,000 positions, >= 0), `kernel_size` (odd max-pooling width of the head's scores), `blend`
     (weight of observed attention, [0, 1]), `blend_mode` (mix or max) and `head_layer` (own or
-    first); see sparsekv.adapter.AdapterConfig. `uses` maps other uses ("agnostic", "decode") to
+    first); see sparsekv.scoring.adapter.AdapterConfig. `uses` maps other uses ("agnostic", "decode") to
     their own settings (unset ones: the aware defaults). They do not change training."""
     teacher_block_size: int = 512
     """Queries per block when the teacher statistics are computed (memory O(block x seq))."""
@@ -201,13 +201,13 @@ class TrainConfig:
             self.build_config()
 
     def target_config(self):
-        from sparsekv.teacher import TargetConfig
+        from sparsekv.teacher.statistics import TargetConfig
 
         return _nested("target", TargetConfig, self.target)
 
     def inference_kwargs(self) -> dict[str, Any]:
         """`inference` checked against the adapter's policy defaults (AdapterConfig fields)."""
-        from sparsekv.adapter import POLICY_DEFAULTS
+        from sparsekv.scoring.adapter import POLICY_DEFAULTS
 
         if not isinstance(self.inference, dict):
             raise ValueError(f"inference={self.inference!r} must be a mapping with keys {', '.join(POLICY_DEFAULTS)}")
@@ -221,10 +221,10 @@ class TrainConfig:
     def inference_uses(self) -> dict[str, dict[str, Any]]:
         """`inference.uses`: use name ("agnostic", "decode") -> the learned policy's settings that
         the adapter records for that use (unset ones take the aware defaults above); empty = the
-        adapter's own defaults for those uses (see sparsekv.adapter_format)."""
-        from sparsekv.adapter import POLICY_DEFAULTS, AdapterConfig
-        from sparsekv.adapter_format import check_uses
+        adapter's own defaults for those uses (see sparsekv.scoring.files)."""
         from sparsekv.policies.learned import check_settings
+        from sparsekv.scoring.adapter import POLICY_DEFAULTS, AdapterConfig
+        from sparsekv.scoring.files import check_uses
 
         defaults = {f.name: f.default for f in fields(AdapterConfig) if f.name in POLICY_DEFAULTS}
         aware = {k: v for k, v in self.inference.items() if k != "uses"}
@@ -239,12 +239,12 @@ class TrainConfig:
         """The `lora:` section as a `train.lora.LoraTrainConfig`, or None when it is empty."""
         if not self.lora:
             return None
-        from train.lora import LoraTrainConfig
+        from train.lora_config import LoraTrainConfig
 
         return _nested("lora", LoraTrainConfig, self.lora)
 
     def loss_config(self):
-        from sparsekv.losses import LossConfig
+        from sparsekv.teacher.losses import LossConfig
 
         return _nested("loss", LossConfig, self.loss)
 

@@ -5,8 +5,8 @@ run folder, load the frozen base model, build the data, create the adapter's gat
 optimizer, resume from the newest checkpoint, train (one frozen teacher forward per micro-batch
 under `torch.no_grad`, gradients only in the head), log, checkpoint, train the optional LoRA
 after the head (a `lora:` section), write `final/` and push to the Hub. The pieces it composes
-live elsewhere: teacher targets (sparsekv.teacher), the head (sparsekv.scorer), the loss
-(sparsekv.losses), the adapter format (sparsekv.adapter), the data order (train.data), the
+live elsewhere: teacher targets (sparsekv.teacher.statistics), the head (sparsekv.scoring.head), the loss
+(sparsekv.teacher.losses), the adapter format (sparsekv.scoring.adapter), the data order (train.data), the
 checkpoint layout (train.checkpoint) and the LoRA co-adaptation (train.lora, which also runs a
 LoRA alone for a saved adapter under `lora.adapter`). Settings that would stop a run later (another
 model than the checkpoint's, `cpu` under DeepSpeed) are `RunError`s: one line, exit status 2.
@@ -114,12 +114,12 @@ class Objective:
     """Teacher targets from the frozen model (cached per example when `cache` is set), head
     predictions, the configured loss averaged over layers."""
 
-    target: Any  # sparsekv.teacher.TargetConfig
-    loss: Any  # sparsekv.losses.LossConfig
+    target: Any  # sparsekv.teacher.statistics.TargetConfig
+    loss: Any  # sparsekv.teacher.losses.LossConfig
     layers: list[int]
     block_size: int = 512
     repeat_prompt_ids: list[int] | None = None
-    """Tokens of sparsekv.reconstruction.REPEAT_PROMPT (reconstruction signals only)."""
+    """Tokens of sparsekv.policies.reconstruction.REPEAT_PROMPT (reconstruction signals only)."""
     cache: Any = None  # train.targets.TargetCache | None
 
     def __post_init__(self) -> None:
@@ -140,7 +140,7 @@ class Objective:
 
         `head` is a `LayerwiseHead` over `self.layers` (possibly wrapped by accelerate).
         """
-        from sparsekv.losses import compute_loss
+        from sparsekv.teacher.losses import compute_loss
 
         hits = self.cache.hits if self.cache is not None else 0
         with torch.no_grad():
@@ -345,7 +345,7 @@ def build_data(cfg: TrainConfig, tokenizer, acc) -> BlockDataset:
 
 
 def build_adapter(cfg: TrainConfig, model: nn.Module, base_id: str):
-    from sparsekv.adapter import ScorerAdapter
+    from sparsekv.scoring.adapter import ScorerAdapter
 
     return ScorerAdapter.for_model(
         model,
@@ -363,7 +363,7 @@ def build_objective(
 ) -> Objective:
     """The run's `Objective`: the repeat prompt tokenized for reconstruction signals, and the
     on-disk teacher cache when `teacher_cache` is set."""
-    from sparsekv.reconstruction import REPEAT_PROMPT
+    from sparsekv.policies.reconstruction import REPEAT_PROMPT
     from train.targets import TargetCache, model_identity
 
     target = cfg.target_config()
@@ -668,7 +668,7 @@ class Trainer:
         self.load(path)
 
     def load(self, path: Path) -> None:
-        from sparsekv.adapter import ScorerAdapter
+        from sparsekv.scoring.adapter import ScorerAdapter
 
         acc = self.acc
         saved_adapter = ScorerAdapter.from_pretrained(str(path / "adapter"))

@@ -1,5 +1,5 @@
 """The frozen base model of a training run: a thin wrapper over the shared loader
-(`sparsekv.loading`), plus the byte-level tokenizer tiny random models train with.
+(`sparsekv.models.loading`), plus the byte-level tokenizer tiny random models train with.
 
 `load_model` turns `TrainConfig.model` into `(model, tokenizer, base_model_id)`: "default" is
 gemma-3-270m (offline), "tiny:<family>" a 4-layer random model built in-process from the seed
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.loading import load_model as _load
+from sparsekv.models.loading import load_model as _load
 
 
 class ByteTokenizer:
@@ -44,7 +44,7 @@ def load_model(
     device: str | torch.device = "cpu",
 ):
     """`(model, tokenizer, base_model_id)` for a `TrainConfig.model` spec, frozen, in eval mode
-    (`sparsekv.loading.load_model`; Hub ids allowed). Tiny models get a `ByteTokenizer`."""
+    (`sparsekv.models.loading.load_model`; Hub ids allowed). Tiny models get a `ByteTokenizer`."""
     loaded = _load(spec, dtype, attn_implementation, seed=seed, device=device, hub=True)
     tok = ByteTokenizer(loaded.model.config.vocab_size) if loaded.is_tiny else loaded.tokenizer
     return loaded.model, tok, loaded.base_model_id

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +43,7 @@ def _sha(*parts: bytes) -> str:
 def model_identity(model: nn.Module, base_id: str) -> dict[str, Any]:
     """What identifies the frozen model for the cache: its id, shape, dtype and a digest of its
     first parameter tensor (tiny random models share an id but not their weights)."""
-    from sparsekv.families import model_shape
+    from sparsekv.models.families import model_shape
 
     first = next(model.parameters()).detach().float().cpu().contiguous()
     return {
@@ -121,21 +119,17 @@ class TargetCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         tensors = {f"target.{i}": targets[i].detach().cpu().contiguous() for i in self.layers}
         tensors.update({f"hidden.{i}": hidden[i].detach().cpu().contiguous() for i in self.layers})
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=self.folder)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"fingerprint": self.fingerprint, "example": key})
-            os.replace(tmp, self.path(key))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        from sparsekv.io import atomic_path
+
+        with atomic_path(self.path(key)) as tmp:
+            save_file(tensors, str(tmp), metadata={"fingerprint": self.fingerprint, "example": key})
 
 
 class TeacherTargets:
     """`(model, input_ids, attention_mask) -> (targets, hidden)` for the budgeted `layers`,
     through `cache` when one is given.
 
-    Shapes as `sparsekv.teacher_reconstruction.training_targets`: layer -> `(batch, kv_heads,
+    Shapes as `sparsekv.teacher.reconstruction.training_targets`: layer -> `(batch, kv_heads,
     seq)` and layer -> `(batch, seq, hidden)`. Rows found in the cache are read; the others are
     computed together in one call and written.
     """
@@ -157,7 +151,7 @@ class TeacherTargets:
     def compute(
         self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        from sparsekv.teacher_reconstruction import training_targets
+        from sparsekv.teacher.reconstruction import training_targets
 
         return training_targets(
             model,

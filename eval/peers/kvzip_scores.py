@@ -23,8 +23,8 @@ import torch
 
 import sparsekv
 from sparsekv import EvictionConfig, SparseKVCache, policies
-from sparsekv.evaluation.codec import HFCodec
 from sparsekv.evaluation.tasks import make_sample
+from sparsekv.evaluation.tasks.codec import HFCodec
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = f"learned:{ROOT / 'checkpoints' / 'gemma3-270m-sparsekv'}"

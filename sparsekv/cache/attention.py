@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekv import int8_attention
-from sparsekv.families import eager_attention_function, softcap
+from sparsekv.cache import int8_attention
+from sparsekv.models.families import eager_attention_function, softcap
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager")
 _registered: set[str] = set()
@@ -170,7 +170,7 @@ def _plain(kwargs) -> bool:
 
 def int8_decode(query, operands, kv_mask, module, **kwargs) -> torch.Tensor:
     """Attention of a decode step over a layer's INT8 store, read as int8
-    (`sparsekv.int8_attention`); `kv_mask` `(batch or 1, kv_heads or 1, 1, stored)` marks the
+    (`sparsekv.cache.int8_attention`); `kv_mask` `(batch or 1, kv_heads or 1, 1, stored)` marks the
     entries to attend, None all of them."""
     kq, ks, vq, vs, new_k, new_v, slot = operands
     if kv_mask is None:

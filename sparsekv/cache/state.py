@@ -1,5 +1,5 @@
 """The state of a `SparseKVCache` between two steps, as named tensors plus JSON, and a new cache
-restored from it: what `sparsekv.compress` (sparsekv/compressed.py) copies for every question
+restored from it: what `sparsekv.compress` (sparsekv/serving/compressed.py) copies for every question
 and writes to disk.
 
 `snapshot(cache)` -> (tensors, meta). Per cache layer `i`, budgeted (`EvictingLayer`):
@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from sparsekv.cache import _PER_ENTRY, EvictingLayer, SparseKVCache
+from sparsekv.cache import EvictingLayer, SparseKVCache
+from sparsekv.cache.layer import _PER_ENTRY
 from sparsekv.config import EvictionConfig
-from sparsekv.families import attention_modules, model_shape
+from sparsekv.models.families import attention_modules, model_shape
 from sparsekv.policies import Policy
 
 __all__ = ["model_dtype", "model_fingerprint", "restore", "snapshot"]

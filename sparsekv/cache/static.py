@@ -1,9 +1,9 @@
 """The static-capacity layout (`EvictionConfig(layout="static")`): a budgeted layer whose entries
 live in buffers allocated once, written in place, so tensor shapes never change while decoding.
 
-This module owns the layout; `sparsekv.cache` composes it with `EvictingLayer`
-(`StaticEvictingLayer(StaticSlots, EvictingLayer)`), whose scoring and eviction logic runs
-unchanged. Per budgeted layer every per-entry tensor is a buffer of `slots` entries:
+This module owns the layer class of that layout, `StaticEvictingLayer`, a subclass of
+`EvictingLayer` (`sparsekv.cache.layer`) whose scoring and eviction logic runs unchanged; the
+buffers and the capacity rule live in `sparsekv.cache.slots`. Per budgeted layer every per-entry tensor is a buffer of `slots` entries:
 
     keys, values  (batch, kv_heads, slots, head_dim)   int8 when quantized
     key_scale, value_scale  (batch, kv_heads, slots, 1) when quantized
@@ -49,159 +49,40 @@ token, so it needs `max_length` slots.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from sparsekv import attention as attn
-from sparsekv.config import EvictionConfig
+from sparsekv.cache import attention as attn
+from sparsekv.cache.int8 import dequantize, quantize
+from sparsekv.cache.layer import EvictingLayer
+from sparsekv.cache.slots import (
+    ENTRY_NAMES,
+    KV_NAMES,
+    Entry,
+    SlotBuffers,
+    flat_rows,
+    identity_slots,
+    slot_count,
+    static_address,
+    step_room,
+)
 from sparsekv.policies.base import Policy, checked_scores
-from sparsekv.schedules import layer_capacity
-
-ENTRY_NAMES = ("keys", "values", "key_scale", "value_scale", "positions", "scores", "observed")
-"""The per-entry tensors of a budgeted layer (the cache's `_PER_ENTRY`), each held in a buffer."""
-_KV = ("keys", "values", "key_scale", "value_scale")
 
 
-def step_room(config: EvictionConfig) -> int:
-    """Free slots one step may need before eviction: `static_slack`, else
-    max(prefill_chunk or 0, evict_slack + 1)."""
-    if config.static_slack is not None:
-        return config.static_slack
-    return max(config.prefill_chunk or 0, config.evict_slack + 1)
+class StaticEvictingLayer(EvictingLayer):
+    """`EvictingLayer` over preallocated slots written in place (`layout="static"`): its
+    per-entry tensors are views of fixed buffers and decode steps write in place (see the
+    module docstring)."""
 
-
-def slot_count(config: EvictionConfig, fraction: float, evicts: bool = True) -> int:
-    """Slots per KV head of a budgeted layer with schedule weight `fraction`."""
-    if not evicts:
-        if config.max_length is None:
-            raise ValueError(
-                "layout='static' with a policy that keeps every token (full) needs max_length"
-            )
-        return config.max_length
-    if isinstance(config.budget, float):
-        cap = layer_capacity(config, fraction, config.max_length)
-    else:
-        cap = layer_capacity(config, fraction, 0)  # a token count does not depend on the length
-    slots = max(cap, config.sink_tokens + config.recent_window) + step_room(config)
-    return slots if config.max_length is None else min(slots, max(config.max_length, 1))
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous `(batch, heads, slots, ...)` buffer seen as `(batch * heads * slots, rest)`."""
-    return t.view(-1, t.shape[-1])
-
-
-def _identity(like: torch.Tensor) -> torch.Tensor:
-    """Slot i for entry i: int32 `arange(slots)` broadcast to `like`'s `(batch, heads, slots)`."""
-    return torch.arange(like.shape[-1], dtype=torch.int32, device=like.device).expand(like.shape)
-
-
-def _static_address(t: torch.Tensor) -> torch.Tensor:
-    """Tell torch.compile that `t` keeps its address (written in place between steps), so CUDA
-    graphs can capture steps that mutate it (transformers' StaticLayer does the same)."""
-    if not torch.compiler.is_compiling():
-        torch._dynamo.mark_static_address(t)
-    return t
-
-
-class SlotBuffers:
-    """Growable per-entry tensors in fixed buffers: `view(name)` is the first `length(name)`
-    entries (axis 2) of buffer `name`; `assign(name, t)` copies `t` into that prefix."""
-
-    def __init__(self, slots: int):
-        self.slots = slots
-        self.buf: dict[str, torch.Tensor] = {}
-        self.len: dict[str, int] = {}
-        self.changed = True  # the keys' length changed on the host since the last `refresh`
-
-    def length(self, name: str = "keys") -> int:
-        return self.len.get(name, 0)
-
-    def view(self, name: str) -> torch.Tensor | None:
-        b = self.buf.get(name)
-        return None if b is None else b[:, :, : self.len[name]]
-
-    def _buffer_for(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        b = self.buf.get(name)
-        same = (
-            b is not None
-            and b.shape[:2] == value.shape[:2]
-            and b.shape[3:] == value.shape[3:]
-            and b.dtype == value.dtype
-            and b.device == value.device
-        )
-        if not same:  # first use, or a new batch size (batch_repeat_interleave): allocate once
-            b = value.new_full(
-                (*value.shape[:2], self.slots, *value.shape[3:]), -1 if name == "positions" else 0
-            )
-            _static_address(b)
-            self.buf[name], self.len[name] = b, 0
-        return b
-
-    def assign(self, name: str, value: torch.Tensor | None) -> None:
-        # unset (transformers' placeholder is a 1-D empty tensor)
-        if value is None or value.ndim < 3:
-            self.buf.pop(name, None)
-            self.len.pop(name, None)
-            self.changed |= name == "keys"
-            return
-        n = value.shape[2]
-        if n > self.slots:
-            raise ValueError(f"{name}: {n} entries do not fit in {self.slots} static slots")
-        b = self._buffer_for(name, value)
-        old = self.len[name]
-        prefix = value.data_ptr() == b.data_ptr() and value.stride() == b.stride()
-        if not prefix:  # (the prefix itself needs no copy)
-            if value.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
-                value = value.clone()  # another part of the same buffer
-            b[:, :, :n].copy_(value)
-        if name == "positions" and old > n:
-            b[:, :, n:old].fill_(-1)  # freed slots: masked from now on
-        self.len[name] = n
-        self.changed |= name == "keys" and n != old
-
-    def write(self, name: str, start: int, value: torch.Tensor) -> None:
-        """Copy `value` `(batch, heads, q, ...)` into entries [start, start + q), extending it."""
-        b = self.buf[name]
-        b[:, :, start : start + value.shape[2]].copy_(value)
-        self.len[name] = start + value.shape[2]
-        self.changed |= name == "keys"
-
-
-class _Entry:
-    """A per-entry attribute of a static layer: reads the buffer's prefix; assigning copies
-    into it."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self
-        if self.name in _KV and getattr(obj, "_mapped", False):
-            obj._normalize()  # a read of the kept keys/values in their order (rare: see `_take`)
-        return obj._slots.view(self.name)
-
-    def __set__(self, obj, value) -> None:
-        if self.name in _KV and getattr(obj, "_mapped", False):
-            obj._normalize()
-        obj._slots.assign(self.name, value)
-
-
-class StaticSlots:
-    """Mixin placed before `EvictingLayer`: its per-entry tensors become views of fixed buffers
-    and decode steps write in place (see the module docstring). `codec` is `(quantize,
-    dequantize)`, set by the composing class (they live in `sparsekv.cache`)."""
-
-    codec: ClassVar[tuple[Callable, Callable]]
-    keys = _Entry()
-    values = _Entry()
-    key_scale = _Entry()
-    value_scale = _Entry()
-    positions = _Entry()
-    scores = _Entry()
-    observed = _Entry()
+    codec = (quantize, dequantize)
+    keys = Entry()
+    values = Entry()
+    key_scale = Entry()
+    value_scale = Entry()
+    positions = Entry()
+    scores = Entry()
+    observed = Entry()
 
     def __init__(self, shared, layer_idx: int, budget_rank: int, fraction: float):
         if getattr(shared.policy, "scores_after_prefill", False):
@@ -269,9 +150,9 @@ class StaticSlots:
             self.lazy_initialization(key_states, value_states)
         self._normalize()  # a multi-token step appends after the kept entries, in their order
         if self._slot is None:  # first step (or the first after `load_from`)
-            self._slot = _static_address(torch.zeros(1, dtype=torch.long, device=self.device))
-            self._pos = _static_address(torch.zeros(1, 1, 1, dtype=torch.long, device=self.device))
-            self._take_at = _static_address(torch.zeros(1, dtype=torch.long, device=self.device))
+            self._slot = static_address(torch.zeros(1, dtype=torch.long, device=self.device))
+            self._pos = static_address(torch.zeros(1, 1, 1, dtype=torch.long, device=self.device))
+            self._take_at = static_address(torch.zeros(1, dtype=torch.long, device=self.device))
         b, h, q, _ = key_states.shape
         s, n = self._slots, self._slots.length()
         if n + q > s.slots:
@@ -325,7 +206,7 @@ class StaticSlots:
         # when compiled (a `scatter_` into a graph input copies the whole buffer every step)
         flat = self._flat(phys)
         for name, t in pairs:
-            _rows(buf[name]).index_copy_(0, flat, t.reshape(b * h, -1))
+            flat_rows(buf[name]).index_copy_(0, flat, t.reshape(b * h, -1))
         keys, values = buf["keys"], buf["values"]
         buf["positions"].index_copy_(2, slot, self._pos.expand(b, h, 1))
         buf["slot_of"].index_copy_(2, slot, phys.to(torch.int32))
@@ -336,7 +217,7 @@ class StaticSlots:
         return keys, values
 
     def int8_step(self) -> tuple | None:
-        """The operands of `sparsekv.int8_attention.decode_attention` for the INT8 decode step in
+        """The operands of `sparsekv.cache.int8_attention.decode_attention` for the INT8 decode step in
         flight (after the mask's `valid`), or None when there is none."""
         if self._new_kv is None:  # set by an INT8 decode step, cleared by its `finish_step`
             return None
@@ -379,12 +260,12 @@ class StaticSlots:
         if pos is None:
             return
         if self._free is None or self._free.shape != pos.shape or self._free.device != pos.device:
-            self._free = _static_address(_identity(pos).contiguous())
-            s.buf["slot_of"] = _static_address(_identity(pos).contiguous())
-            self._valid = _static_address(torch.zeros(pos.shape, dtype=torch.bool, device=pos.device))
+            self._free = static_address(identity_slots(pos).contiguous())
+            s.buf["slot_of"] = static_address(identity_slots(pos).contiguous())
+            self._valid = static_address(torch.zeros(pos.shape, dtype=torch.bool, device=pos.device))
             b, h, n = pos.shape
             start = torch.arange(b * h, device=pos.device).view(b, h, 1) * n
-            self._row_start = _static_address(start)  # where each (sequence, head) row begins
+            self._row_start = static_address(start)  # where each (sequence, head) row begins
         s.len["slot_of"] = s.length()
         torch.ge(pos, 0, out=self._valid)
         self._take_at.fill_(s.length())
@@ -409,12 +290,12 @@ class StaticSlots:
         s = self._slots
         n = s.length("slot_of")
         where = s.buf["slot_of"][:, :, :n].long()
-        for name in _KV:
+        for name in KV_NAMES:
             b = s.buf.get(name)
             if b is not None:
                 b[:, :, :n] = b.gather(2, where[..., None].expand(-1, -1, -1, b.shape[-1]))
-        self._free.copy_(_identity(self._free))
-        s.buf["slot_of"].copy_(_identity(self._free))
+        self._free.copy_(identity_slots(self._free))
+        s.buf["slot_of"].copy_(identity_slots(self._free))
         self._reset_map()
 
     def _take(self, index) -> None:
@@ -432,7 +313,7 @@ class StaticSlots:
             t = s.view(name)
             if t is not None:
                 s.assign(name, t.gather(2, index))
-        for name in _KV:
+        for name in KV_NAMES:
             if name in s.buf:
                 s.len[name] = index.shape[-1]
         s.changed = True
@@ -551,12 +432,12 @@ class StaticSlots:
     # ---- measurements and transformers' protocol --------------------------------------------
     def nbytes(self) -> int:
         """Bytes of the key/value buffers held (all slots, int8 scales included)."""
-        return sum(self._slots.buf[n].nbytes for n in _KV if n in self._slots.buf)
+        return sum(self._slots.buf[n].nbytes for n in KV_NAMES if n in self._slots.buf)
 
     def bookkeeping_nbytes(self) -> int:
         """Bytes of the per-entry buffers besides keys and values (positions, scores, observed,
         the slot map `slot_of`; all slots), of the free list and the mask of slots to attend."""
-        held = [t for n, t in self._slots.buf.items() if n not in _KV]
+        held = [t for n, t in self._slots.buf.items() if n not in KV_NAMES]
         held += [self._free, self._valid, self._row_start, *self.recorded.values()]
         return sum(t.nbytes for t in held if isinstance(t, torch.Tensor))
 
@@ -569,7 +450,7 @@ class StaticSlots:
 def finish_steps(cache: Any) -> None:
     """Score and evict the decode step every static layer of `cache` has pending."""
     for layer in cache.layers:
-        if isinstance(layer, StaticSlots):
+        if isinstance(layer, StaticEvictingLayer):
             layer.finish_step()
 
 
@@ -590,14 +471,14 @@ def slots_per_layer(cache: Any) -> dict[int, int]:
     return {
         i: cache.layers[i].slots
         for i in cache.budgeted_layers
-        if isinstance(cache.layers[i], StaticSlots)
+        if isinstance(cache.layers[i], StaticEvictingLayer)
     }
 
 
 __all__ = [
     "ENTRY_NAMES",
     "SlotBuffers",
-    "StaticSlots",
+    "StaticEvictingLayer",
     "finish_hook",
     "finish_steps",
     "slot_count",

@@ -6,16 +6,17 @@
     run_eval(EvalConfig(out="results/x", model="default", policies=["snapkv", "h2o"],
                         budgets=[0.1, 0.3], tasks=["passkey", "ppl"], lengths=[4096], samples=10))
 
-Modules: `text` (real prose), `tasks` (generators), `config` (the grid), `plan` (the grid's
-samples and runs), `execute` (one sample's runs), `outcome` (a run's metrics), `rows` (the row
-store: results.jsonl, resume, ingest), `folder` (lock, prompts.jsonl, config.yaml), `runner` (a
-grid into its folder, workers), `metrics`, `summary` (the numbers), `report` (summary.csv,
-summary.md), `plots` (figures), `models` (which model), `codec` (tokens).
+Packages: `tasks` (the task families and their registry: `needles`, `words`, `language`,
+`decode`, over evaluation-only prose from `text`, tokenized through `codec`), `running` (`plan`:
+the grid's samples and runs; `execute`: one sample's runs; `outcome`: a run's metrics; `runner`:
+a grid into its folder; `models`: which model; `decode`, `decode_grid`: decode-heavy runs),
+`rows` (`store`: results.jsonl, resume, ingest; `folder`: lock, prompts.jsonl, config.yaml),
+`reports` (`summary`: the numbers; `tables`: summary.csv and summary.md; `plots`; `decode`).
+Beside them: `config` (the grid, `EvalConfig`), `metrics` (per-sample metrics), `cli`.
 """
 
-from sparsekv.evaluation import decode_tasks as decode_tasks  # registers the decode_* tasks
 from sparsekv.evaluation.config import EvalConfig, PolicySpec, parse_policy
-from sparsekv.evaluation.runner import ingest_rows, run_eval
+from sparsekv.evaluation.running.runner import ingest_rows, run_eval
 from sparsekv.evaluation.tasks import TASKS, Sample, make_sample
 
 __all__ = ["TASKS", "EvalConfig", "PolicySpec", "Sample", "ingest_rows", "make_sample", "parse_policy", "run_eval"]

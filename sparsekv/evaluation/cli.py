@@ -160,7 +160,7 @@ def _list() -> int:
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
-    from sparsekv.evaluation import runner
+    from sparsekv.evaluation.running import runner
 
     if args.list:
         return _list()
@@ -180,9 +180,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
             n = runner.ingest_rows(out, args.ingest, source=args.source)
             print(f"added {n} rows from {args.ingest} to {out / 'results.jsonl'}")
         else:
-            from sparsekv.evaluation.folder import FolderLock
-            from sparsekv.evaluation.report import write_reports
-            from sparsekv.evaluation.rows import merge_parts
+            from sparsekv.evaluation.reports.tables import write_reports
+            from sparsekv.evaluation.rows.folder import FolderLock
+            from sparsekv.evaluation.rows.store import merge_parts
 
             with FolderLock(out):
                 n = merge_parts(out)
@@ -195,10 +195,10 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if cfg.out is None:
         raise ValueError("no output folder: give --out DIR (or out: in the config)")
     if args.dump_prompts:
-        from sparsekv.evaluation.folder import FolderLock, write_config, write_prompts
-        from sparsekv.evaluation.models import load_model
-        from sparsekv.evaluation.plan import build_samples
-        from sparsekv.evaluation.rows import count_rows
+        from sparsekv.evaluation.rows.folder import FolderLock, write_config, write_prompts
+        from sparsekv.evaluation.rows.store import count_rows
+        from sparsekv.evaluation.running.models import load_model
+        from sparsekv.evaluation.running.plan import build_samples
 
         out = Path(cfg.out)
         _, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)  # the codec only

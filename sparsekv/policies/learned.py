@@ -19,15 +19,12 @@ scale dominates, then combined by `blend_mode`:
 The policy needs only a `LayerScorer` (anything with `score_layer`); it does not import the
 adapter module. A scorer that also has `settings(use)` (a `ScorerAdapter`) supplies the
 recorded settings of a use, and one with `check_compatible(shape)` is checked against the model
-when the cache is built. A string (`policies.get("learned:DIR")`) is resolved by the loader that
-`sparsekv.adapter` registers with `set_scorer_loader` when it is imported; the resolution
-imports `sparsekv.adapter` by name on first need, so no module imports another in a circle.
+when the cache is built. A string (`policies.get("learned:DIR")`) is loaded as a `TrainedScorer`
+(`sparsekv.scoring.scorer`, which imports neither the cache nor the policies).
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -42,7 +39,8 @@ from sparsekv.policies.base import (
     max_pool_seq,
     register,
 )
-from sparsekv.words import check_tokenizer, word_starts, word_table
+from sparsekv.policies.words import check_tokenizer, word_starts, word_table
+from sparsekv.scoring.scorer import TrainedScorer
 
 __all__ = [
     "BLEND_MODES",
@@ -50,7 +48,6 @@ __all__ = [
     "LayerScorer",
     "LearnedPolicy",
     "check_settings",
-    "set_scorer_loader",
 ]
 
 check_settings = check_learned_settings  # the name older callers import
@@ -66,29 +63,15 @@ class LayerScorer(Protocol):
         ...
 
 
-_LOADER: Callable[..., LayerScorer] | None = None
-
-
-def set_scorer_loader(loader: Callable[..., LayerScorer]) -> None:
-    """Register how a string names a scorer (`sparsekv.adapter` registers
-    `ScorerAdapter.from_pretrained` when imported)."""
-    global _LOADER
-    _LOADER = loader
-
-
 def _load_scorer(spec: str) -> LayerScorer:
-    if _LOADER is None:
-        importlib.import_module("sparsekv.adapter")  # registers its loader on import
-    if _LOADER is None:
-        raise RuntimeError("sparsekv.adapter did not register a scorer loader")
-    return _LOADER(spec)
+    return TrainedScorer.from_pretrained(spec)
 
 
 _WORDS: dict[str, torch.Tensor] = {}  # word tables per model path: read once per process
 
 
 def _model_words(model: Any, span_words: int) -> torch.Tensor:
-    """The word table (`sparsekv.words.word_table`) of the tokenizer saved with `model` (its
+    """The word table (`sparsekv.policies.words.word_table`) of the tokenizer saved with `model` (its
     `name_or_path`), for `span_words`."""
     path = getattr(model, "name_or_path", None) or getattr(
         getattr(model, "config", None), "_name_or_path", None
@@ -158,7 +141,7 @@ class LearnedPolicy(Policy):
         chunk's scores count as ends. `span_words` (int >= 0, 0 = off): last, every token of a
         word of at most that many tokens scores as its word's best token (`close_words`), so a
         number or a UUID is kept or dropped whole; words are read from the token ids with the
-        model's `tokenizer` (`sparsekv.words`): pass it, or it is loaded from the model's
+        model's `tokenizer` (`sparsekv.policies.words`): pass it, or it is loaded from the model's
         `name_or_path` on first use. `window`: the observation window (queries) read when
         blending."""
         if isinstance(adapter, str):

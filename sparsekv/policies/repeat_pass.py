@@ -3,7 +3,7 @@
 This module owns the machinery that scores a prefill by asking the model to repeat it: it runs
 the extra forwards through the cache, captures the budgeted layers' queries, turns them into one
 statistic per cached entry, and leaves nothing of the repeat behind. The repeat prompt's text and
-chunk layout come from the policy (`Policy.repeat_inputs`, built on `sparsekv.reconstruction`);
+chunk layout come from the policy (`Policy.repeat_inputs`, built on `sparsekv.policies.reconstruction`);
 selection and eviction stay with the cache. It imports neither the cache nor the policies.
 
 After a forward that left `pending` entries in the budgeted layers (the cache defers the scoring

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from sparsekv.adapter_format import AdapterConfig
+from sparsekv.scoring.files import AdapterConfig
 
 LICENSES = {
     "google/gemma": {
@@ -38,7 +38,7 @@ def _hub_id(base: str | None) -> str | None:
 
 
 def _weights_sentence(base: str | None) -> str:
-    from sparsekv.default_model import DEFAULT_MODEL_ID
+    from sparsekv.models.default import DEFAULT_MODEL_ID
 
     if base == DEFAULT_MODEL_ID:
         return (

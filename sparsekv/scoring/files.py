@@ -1,5 +1,5 @@
 """The scorer adapter's on-disk format: file names, versions, the config record, and reading and
-writing an adapter folder safely. `sparsekv.adapter` builds on it; this module knows nothing of
+writing an adapter folder safely. `sparsekv.scoring.adapter` builds on it; this module knows nothing of
 models, caches or policies.
 
 Format 2 (written by this version), a folder of:
@@ -7,7 +7,7 @@ Format 2 (written by this version), a folder of:
 - `config.json`: `{"sparsekv_type": "scorer_adapter", "format_version": 2, ...}` then the
   `AdapterConfig` fields: the base model's id and shape (model type, layers, KV heads, head dim,
   hidden size), the budgeted layers the head scores, the head's kind and width, `target` (the
-  teacher target, `sparsekv.teacher.TargetConfig.to_dict()`), `uses` (the learned policy's
+  teacher target, `sparsekv.teacher.statistics.TargetConfig.to_dict()`), `uses` (the learned policy's
   settings per use, see below), `lora` (the name of the LoRA subfolder, or null), the sparsekv
   version, and optionally the training config, an evaluation table (Markdown) and evaluation
   results (`huggingface_hub.EvalResult` fields, for the model card's metadata);
@@ -15,7 +15,7 @@ Format 2 (written by this version), a folder of:
   metadata holds `format: pt` and `sparsekv_tensors_sha256`, a digest of the tensors that the
   loader checks, so bytes garbled inside the data are caught. The header's keys are written in
   sorted order, so two saves of the same weights are byte-identical;
-- `README.md`: the model card (`sparsekv.model_card`);
+- `README.md`: the model card (`sparsekv.scoring.card`);
 - optionally `lora/`: a standard PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)
   that `peft.PeftModel.from_pretrained(base_model, "<folder>/lora")` loads on its own.
 
@@ -56,8 +56,8 @@ from typing import Any
 import torch
 
 from sparsekv.config import LEARNED_SETTINGS, check_learned_settings, without_later_defaults
-from sparsekv.scorer import KINDS, GatingHead
-from sparsekv.teacher import TargetConfig
+from sparsekv.scoring.head import KINDS, GatingHead
+from sparsekv.teacher.statistics import TargetConfig
 
 TYPE_KEY = "sparsekv_type"
 TYPE_TAG = "scorer_adapter"
@@ -82,7 +82,7 @@ DIGEST_KEY = "sparsekv_tensors_sha256"
 
 
 def _version() -> str:
-    from sparsekv import __version__
+    from sparsekv._version import __version__
 
     return __version__
 

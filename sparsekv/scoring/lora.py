@@ -108,7 +108,7 @@ class LoraWeights:
 
     def save(self, folder: str | Path) -> Path:
         """Write the PEFT folder (config + weights, deterministic bytes) into `folder`."""
-        from sparsekv.adapter_format import safetensors_bytes
+        from sparsekv.scoring.files import safetensors_bytes
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ policy spec, model shape and a fingerprint of its weights, token counts, kept en
 layer) into a folder, atomically; `load` refuses another model, dtype or policy.
 
 It owns the compressed context and its file format; the snapshot and restore of a cache's
-state live in `sparsekv.cache_state`, the cache's own rules (what is kept, positions, masks) in
+state live in `sparsekv.cache.state`, the cache's own rules (what is kept, positions, masks) in
 `sparsekv.cache`.
 """
 
@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 from sparsekv.cache import SparseKVCache
-from sparsekv.cache_state import model_dtype, model_fingerprint, restore, snapshot
+from sparsekv.cache.state import model_dtype, model_fingerprint, restore, snapshot
 from sparsekv.config import EvictionConfig
-from sparsekv.families import model_shape
+from sparsekv.models.families import model_shape
 from sparsekv.policies import Policy, available
 from sparsekv.policies import get as get_policy
 
@@ -145,7 +145,7 @@ def _lora_applied(model, lora) -> Iterator[None]:
     if lora is None:
         yield
         return
-    from sparsekv.adapter_lora import apply_lora
+    from sparsekv.scoring.lora import apply_lora
 
     with apply_lora(model, lora):
         yield

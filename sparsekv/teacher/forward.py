@@ -6,7 +6,7 @@ attention call: an attention implementation registered with transformers' `Atten
 delegates the attention output to sdpa (or the family's eager function) and additionally hands
 the post-RoPE queries, keys and values, the layer's self_attn input and the call's scaling,
 softcap and sliding window to a callback. What the callback computes (attention received, KVzip+)
-lives in `sparsekv.teacher` and `sparsekv.teacher_reconstruction`; this module knows no statistic.
+lives in `sparsekv.teacher.statistics` and `sparsekv.teacher.reconstruction`; this module knows no statistic.
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekv.families import attention_modules, eager_attention_function, model_shape, text_config
+from sparsekv.models.families import (
+    attention_modules,
+    eager_attention_function,
+    model_shape,
+    text_config,
+)
 
 TEACHER_SDPA = "sparsekv_teacher"
 TEACHER_EAGER = "sparsekv_teacher_eager"

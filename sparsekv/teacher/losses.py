@@ -3,7 +3,7 @@
 This module owns the training objective and its metrics; it knows nothing about models or data.
 
 Inputs, per budgeted layer: `pred` `(batch, kv_heads, seq)` head logits, `target`
-`(batch, kv_heads, seq)` teacher targets (>= 0, see `sparsekv.teacher`), `valid_mask`
+`(batch, kv_heads, seq)` teacher targets (>= 0, see `sparsekv.teacher.statistics`), `valid_mask`
 `(batch, seq)` bool (False = padding). Positions the cache always keeps anyway (the first
 `sink_tokens` and last `recent_window` real tokens of each row) can be left out of the loss, so
 the head spends its capacity on the entries the budget actually decides about. Over the

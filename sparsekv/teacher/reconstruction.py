@@ -2,11 +2,11 @@
 
 This module owns the reconstruction signals of `TargetConfig` (`signal="reconstruction"` and
 `"both"`, `kind="kvzip_plus"`) and `training_targets`, the one entry that serves every signal
-(`signal="questions"` is `sparsekv.teacher.teacher_targets`). It runs the frozen model through
-`sparsekv.teacher_forward.teacher_forward` and knows nothing about heads, losses or caches.
+(`signal="questions"` is `sparsekv.teacher.statistics.teacher_targets`). It runs the frozen model through
+`sparsekv.teacher.forward.teacher_forward` and knows nothing about heads, losses or caches.
 
 **The pass.** Per batch row, its real tokens `c` (length m, padding dropped) are followed by the
-repeat prompt (`sparsekv.reconstruction.REPEAT_PROMPT`, tokenized by the caller) and by `c`
+repeat prompt (`sparsekv.policies.reconstruction.REPEAT_PROMPT`, tokenized by the caller) and by `c`
 again, teacher-forced (without its first token when that is the model's BOS): one forward over
 `c + prompt + copy`, about 2m tokens, as KVzap trains. The copy's queries are the queries at the
 positions of `copy`. Causal attention makes everything at positions < m exactly what a forward
@@ -15,7 +15,7 @@ over `c` alone gives: the head's inputs and the questions statistic come from th
 - `kind="attention"`, `"reconstruction"`: for each budgeted layer and source layer, the
   attention a context token receives from the copy's queries, reduced as `target.stat` says
   (sum over the group's query heads, then "mass" or "max" over the copy's queries, `normalize`
-  as in `sparsekv.teacher`; every copy query sees every context token), then combined across
+  as in `sparsekv.teacher.statistics`; every copy query sees every context token), then combined across
   layers by `cumulative_targets` with sliding-window layers left out (a 512-token window cannot
   see the copy, so Gemma 3 uses its full-attention layers only). A distribution per row.
 - `"both"`: `(1 - w) * questions target + w * reconstruction target`, `w =
@@ -37,8 +37,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from sparsekv.families import model_shape, text_config
-from sparsekv.teacher import (
+from sparsekv.models.families import model_shape, text_config
+from sparsekv.teacher.forward import layer_scaling, teacher_forward, valid_mask
+from sparsekv.teacher.statistics import (
     TargetConfig,
     attention_received,
     cumulative_targets,
@@ -46,7 +47,6 @@ from sparsekv.teacher import (
     source_layers,
     teacher_targets,
 )
-from sparsekv.teacher_forward import layer_scaling, teacher_forward, valid_mask
 
 
 def reconstruction_layout(
@@ -220,7 +220,7 @@ def training_targets(
     input_ids, attention_mask `(batch, seq)` (1 = real token). Returns `(targets, hidden)`:
     layer -> `(batch, kv_heads, seq)` float32 targets (distributions for kind "attention", log
     scores for "kvzip_plus"; 0 on padding) and layer -> `(batch, seq, hidden)` self_attn inputs.
-    `repeat_prompt_ids`: the tokens of `sparsekv.reconstruction.REPEAT_PROMPT` (no special
+    `repeat_prompt_ids`: the tokens of `sparsekv.policies.reconstruction.REPEAT_PROMPT` (no special
     tokens), required unless `target.signal == "questions"`. Reconstruction rows run one pass
     each (rows differ in length); their real tokens are placed at positions 0..m-1, as a
     right-padded or unpadded row already has them.
@@ -231,7 +231,7 @@ def training_targets(
     if repeat_prompt_ids is None or len(repeat_prompt_ids) == 0:
         raise ValueError(
             f"signal={target.signal!r} needs repeat_prompt_ids (the tokenized "
-            "sparsekv.reconstruction.REPEAT_PROMPT)"
+            "sparsekv.policies.reconstruction.REPEAT_PROMPT)"
         )
     shape = model_shape(model)
     types = shape.layer_types

@@ -64,14 +64,14 @@ summing to 1 over the real tokens (0 on padding). Only their ranking matters to 
 from the later queries of its own sequence (on the synthetic samples that includes the answer's
 attention to the needle). `"reconstruction"` and `"both"` ask the frozen model to repeat the
 context and read the attention the repeated copy pays back; `kind="kvzip_plus"` is KVzap's
-regression target on that same pass. Both live in `sparsekv.teacher_reconstruction`, which
+regression target on that same pass. Both live in `sparsekv.teacher.reconstruction`, which
 builds on the forward machinery here; `training_targets` there serves every signal.
 
 **Memory.** `attention_received` processes `block_size` queries at a time and only the keys
 they may see, so the extra memory is O(block_size x seq) per layer (O(block_size x window) on
 sliding layers); no `seq x seq` matrix is ever built. `collect_attention_stats` computes it from
 inside one frozen forward (`torch.no_grad`, `use_cache=False`) run by
-`sparsekv.teacher_forward.teacher_forward`, which sees the post-RoPE queries and keys of every
+`sparsekv.teacher.forward.teacher_forward`, which sees the post-RoPE queries and keys of every
 layer. The model's attention implementation is restored afterwards.
 """
 
@@ -84,8 +84,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekv.families import model_shape
-from sparsekv.teacher_forward import (  # noqa: F401  (teacher_attention re-exported)
+from sparsekv.models.families import model_shape
+from sparsekv.teacher.forward import (  # noqa: F401  (teacher_attention re-exported)
     TEACHER_EAGER,
     TEACHER_SDPA,
     layer_scaling,
@@ -131,7 +131,7 @@ class TargetConfig:
     """Whose attention makes the target: "questions" (the later queries of the sequence itself),
     "reconstruction" (the queries of a teacher-forced repeat of the context, question-free; full-
     attention layers only) or "both" (a mix of the two targets, weighted by
-    `reconstruction_weight`). See sparsekv.teacher_reconstruction."""
+    `reconstruction_weight`). See sparsekv.teacher.reconstruction."""
     kind: str = "attention"
     """"attention": the statistics above (stat, normalize, cross_layer, ...), a distribution per
     row; "kvzip_plus": KVzap's regression target, per layer and KV head, log of the max over the
@@ -382,7 +382,7 @@ def collect_attention_stats(
     `target.min_distance`;
     `hidden_states[l]` `(batch, seq, hidden)` for every layer in `hidden_layers` (default: all).
     `target` defaults to `TargetConfig()`. `attention_mask` `(batch, seq)`: 1 = real token (left or right padding both work).
-    See `sparsekv.teacher_forward.teacher_forward` for how the forward runs.
+    See `sparsekv.teacher.forward.teacher_forward` for how the forward runs.
     """
     target = TargetConfig() if target is None else target
     n_layers = model_shape(model).num_layers
@@ -500,14 +500,14 @@ def teacher_targets(
 
     Returns `(targets, hidden_states)`: layer -> `(batch, kv_heads, seq)` target distributions
     and layer -> `(batch, seq, hidden)` self_attn inputs. Only the layers the targets need are
-    computed. This is `signal="questions"`; `sparsekv.teacher_reconstruction.training_targets`
+    computed. This is `signal="questions"`; `sparsekv.teacher.reconstruction.training_targets`
     serves every signal.
     """
     target = TargetConfig() if target is None else target
     if target.signal != "questions":
         raise ValueError(
             f"teacher_targets computes signal='questions' only, not signal={target.signal!r}; "
-            "use sparsekv.teacher_reconstruction.training_targets"
+            "use sparsekv.teacher.reconstruction.training_targets"
         )
     shape = model_shape(model)
     layers = list(default_layers(model) if layers is None else layers)

@@ -11,7 +11,7 @@ tokens after them); the last position agrees to 2e-7. With transformers 5.24 all
 """
 
 import torch
-from transformers import Gemma3TextConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig
 
 cfg = Gemma3TextConfig(
     vocab_size=128,

@@ -40,7 +40,7 @@ def load_harness_metrics(src: Path = EVAL_SRC):
 
 
 def harness_row_fields(src: Path = EVAL_SRC) -> tuple[str, ...]:
-    """`ROW_FIELDS` of the harness's row store (`sparsekv/evaluation/rows.py`), read from its
+    """`ROW_FIELDS` of the harness's row store (`sparsekv/evaluation/rows/store.py`), read from its
     source (not imported: the harness needs a newer transformers than kvpress accepts)."""
     for name in ("rows.py", "runner.py"):
         if not (src / name).is_file():

@@ -6,7 +6,7 @@ creates that environment) and does not import the `sparsekv` package. Its parts,
 of its own beside it:
 - `kvp_plan.py`: the presses, the grid of runs, how a sample's prompt is fed to the pipeline;
 - `kvp_rows.py`: the harness's row fields and metric functions, read from the sparsekv source
-  tree (`sparsekv/evaluation/rows.py`, `metrics.py`) so both sides cannot drift; one row per run;
+  tree (`sparsekv/evaluation/rows/store.py`, `metrics.py`) so both sides cannot drift; one row per run;
 - `kvp_pipeline.py`: the kvpress side (the pipeline, measured; multi-token inputs fed causally
   when only the full-attention layers are compressed; kvpress's warnings kept in the rows);
 - `kvp_gate.py`: the gate a peer's rows pass before they enter a table (its no-press run

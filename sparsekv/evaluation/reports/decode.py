@@ -17,12 +17,13 @@ Reads only `results.jsonl`; knows nothing about models.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from sparsekv.io import read_jsonl, write_atomic
 
 REFERENCE = "full"
 
@@ -44,10 +45,7 @@ def _rows(out: Path) -> list[dict[str, Any]]:
     first is kept."""
     path = out / "results.jsonl"
     rows, seen = [], set()
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
+    for r in read_jsonl(path):
         key = (r.get("sample_id"), r.get("policy"), str(r.get("budget")), bool(r.get("error")))
         if key not in seen:
             seen.add(key)
@@ -279,9 +277,7 @@ def write_decode_report(out: str | Path) -> Path:
     summary = summarize(rows)
     study = rerank_study(rows)
     path = out / "decode-summary.md"
-    tmp = out / ".decode-summary.md.tmp"
-    tmp.write_text(markdown(summary) + ("\n" + "\n".join(rerank_markdown(study)) if study else ""))
-    tmp.replace(path)
+    write_atomic(path, markdown(summary) + ("\n" + "\n".join(rerank_markdown(study)) if study else ""))
     if summary:
         plot(summary, out)
     if study:

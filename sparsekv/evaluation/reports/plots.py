@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsekv.evaluation.config import REFERENCE
-from sparsekv.evaluation.summary import LOWER_IS_BETTER, budget_key, method_order, quality
+from sparsekv.evaluation.reports.summary import LOWER_IS_BETTER, budget_key, method_order, quality
 from sparsekv.evaluation.tasks import TASKS
 
 
@@ -277,7 +277,7 @@ def readme_plots(
     Returns the paths."""
     import matplotlib.pyplot as plt
 
-    from sparsekv.evaluation.summary import glance_stats, views
+    from sparsekv.evaluation.reports.summary import glance_stats, views
 
     if computed is None:
         computed = {key: glance_stats(*view) for key, view in views(summary).items()}

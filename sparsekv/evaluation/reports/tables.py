@@ -23,8 +23,7 @@ import yaml
 
 from sparsekv.evaluation.config import REFERENCE
 from sparsekv.evaluation.metrics import mean
-from sparsekv.evaluation.rows import read_rows
-from sparsekv.evaluation.summary import (  # noqa: F401  (summarize, share_interval: public names)
+from sparsekv.evaluation.reports.summary import (  # noqa: F401  (summarize, share_interval: public names)
     SUMMARY_FIELDS,
     budget_key,
     glance_stats,
@@ -34,6 +33,7 @@ from sparsekv.evaluation.summary import (  # noqa: F401  (summarize, share_inter
     summarize,
     views,
 )
+from sparsekv.evaluation.rows.store import read_rows
 from sparsekv.evaluation.tasks import TASKS
 
 
@@ -219,7 +219,7 @@ def write_reports(out: str | Path, readme_series: list[str] | None = None) -> di
     """Rewrite summary.csv, summary.md and the plots of an evaluation folder from its results;
     with `readme_series` (method names as in the tables) also the README plots of those methods
     (`plots.readme_plots`)."""
-    from sparsekv.evaluation.plots import plot, readme_plots
+    from sparsekv.evaluation.reports.plots import plot, readme_plots
 
     out = Path(out)
     rows = read_rows(out / "results.jsonl")
@@ -236,7 +236,7 @@ def write_reports(out: str | Path, readme_series: list[str] | None = None) -> di
     if readme_series:
         plots += readme_plots(summary, out, readme_series, computed)
     if any(str(r.get("task", "")).startswith("decode_") for r in rows):
-        from sparsekv.evaluation.decode_report import write_decode_report
+        from sparsekv.evaluation.reports.decode import write_decode_report
 
         write_decode_report(out)  # per-window KL, KV bytes and KL against position
     return {"summary": summary, "plots": plots}

@@ -19,6 +19,7 @@ import yaml
 
 from sparsekv.evaluation.config import EvalConfig
 from sparsekv.evaluation.tasks import Sample
+from sparsekv.io import write_atomic
 
 LOCK_NAME = ".sparsekv-eval.lock"
 # Fields of config.yaml that must match for a grid to add rows to a folder: they change what
@@ -34,20 +35,6 @@ SETUP_FIELDS = (
     "task_options",
     "shared_prefill",
 )
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename: a reader (or a crash) sees
-    the old file or the new one, never part of it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 class FolderBusyError(ValueError):
@@ -183,7 +170,7 @@ def write_prompts(
         mine = {d["sample_id"] for d in lines}
         old = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
         lines = [d for d in old if d["sample_id"] not in mine] + lines
-    write_text_atomic(Path(path), "".join(json.dumps(d) + "\n" for d in lines))
+    write_atomic(Path(path), "".join(json.dumps(d) + "\n" for d in lines))
 
 
 def read_prompts(path: Path) -> list[Sample]:
@@ -205,7 +192,7 @@ def write_config(out: Path, cfg: EvalConfig, **extra: Any) -> None:
     """The resolved grid (every field, the parsed policy specs, and `extra` such as the
     environment) as `out`/config.yaml, written atomically."""
     resolved = {**cfg.to_dict(), "policy_specs": [p.to_dict() for p in cfg.policy_specs], **extra}
-    write_text_atomic(Path(out) / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    write_atomic(Path(out) / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
 
 
 def read_config(out: Path) -> dict[str, Any] | None:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +30,9 @@ import torch
 
 from sparsekv.evaluation import metrics as M
 from sparsekv.evaluation.config import REFERENCE, EvalConfig, lora_spec_text
-from sparsekv.evaluation.folder import read_prompts
+from sparsekv.evaluation.rows.folder import read_prompts
 from sparsekv.evaluation.tasks import get_task
+from sparsekv.io import read_jsonl, write_atomic
 
 ROW_FIELDS = (
     "source",
@@ -98,33 +97,9 @@ def part_files(out: Path) -> list[Path]:
 
 # ---- reading and writing ------------------------------------------------------------------
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a JSON-lines file. A last line that does not parse (a write cut short by a
-    kill) is dropped with a warning; a bad line before it raises ValueError naming it."""
-    path = Path(path)
-    lines = path.read_bytes().split(b"\n")
-    numbered = [(i, ln) for i, ln in enumerate(lines, 1) if ln.strip()]
-    rows = []
-    for j, (i, line) in enumerate(numbered):
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            row = e
-        if not isinstance(row, dict):
-            if j == len(numbered) - 1:
-                print(
-                    f"[sparsekv eval] {path}:{i}: dropped a torn last line ({len(line)} bytes, a "
-                    f"write cut short by a stop); the {len(rows)} rows before it are kept",
-                    file=sys.stderr,
-                )
-                break
-            why = (
-                row
-                if isinstance(row, ValueError)
-                else f"a JSON {type(row).__name__}, not an object"
-            )
-            raise ValueError(f"{path}:{i} is not a JSON row ({why}); fix or remove that line")
-        rows.append(row)
-    return rows
+    """The rows of a JSON-lines file (`sparsekv.io.read_jsonl`: a torn last line is dropped with
+    a warning; a bad line before it raises ValueError naming it)."""
+    return read_jsonl(path)
 
 
 def _json_default(x: Any) -> Any:
@@ -147,16 +122,8 @@ def dump_row(f, row: dict[str, Any]) -> None:
 
 
 def write_rows_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Replace `path` by `rows` through a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(_clean(r), default=_json_default) + "\n" for r in rows)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Replace `path` by `rows` atomically (`sparsekv.io.write_atomic`)."""
+    write_atomic(path, "".join(json.dumps(_clean(r), default=_json_default) + "\n" for r in rows))
 
 
 def supersede(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:

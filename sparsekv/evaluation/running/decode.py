@@ -49,7 +49,7 @@ NAN = float("nan")
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The model's output layer on final hidden states: `(n, hidden)` -> `(n, vocab)` float32,
     with the final logit soft-capping of the families that have one (Gemma)."""
-    from sparsekv.families import text_config
+    from sparsekv.models.families import text_config
 
     logits = model.get_output_embeddings()(hidden).float()
     cap = getattr(text_config(model), "final_logit_softcapping", None)

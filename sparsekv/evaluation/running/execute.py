@@ -23,7 +23,7 @@ The metrics of a row (score, KL, ...) are taken by `outcome.fill_row`; the row f
 described in `rows.py` (learned policies' rows carry `adapter_hash`).
 
 A learned method whose adapter carries a LoRA (and whose spec does not say `lora: false`) runs
-with that LoRA applied to the model (`sparsekv.adapter_lora.apply_lora`) for its whole run:
+with that LoRA applied to the model (`sparsekv.scoring.lora.apply_lora`) for its whole run:
 prefill, question and decoding. It never forks from the plain model's shared prefill: each LoRA
 gets its own shared prefill, recorded with that LoRA applied, and its budgets fork from that one
 (one LoRA prefill per prompt instead of one per budget; `shared_prefill: false` prefills it live).
@@ -44,18 +44,18 @@ from typing import Any
 import torch
 
 from sparsekv.evaluation import metrics as M
-from sparsekv.evaluation.codec import Codec
 from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec, lora_spec_text
-from sparsekv.evaluation.outcome import Reference, fill_row
-from sparsekv.evaluation.plan import (
+from sparsekv.evaluation.rows.store import ROW_FIELDS
+from sparsekv.evaluation.running.outcome import Reference, fill_row
+from sparsekv.evaluation.running.plan import (
     REFERENCE_KEY,
     ForkPlan,
     plan_forks,
     prefill_chunk,
     uses_lora,
 )
-from sparsekv.evaluation.rows import ROW_FIELDS
 from sparsekv.evaluation.tasks import Sample
+from sparsekv.evaluation.tasks.codec import Codec
 
 NAN = float("nan")
 
@@ -88,7 +88,7 @@ class Runner:
 
     def _adapter(self, path: str):
         if path not in self._adapters:
-            from sparsekv.adapter import ScorerAdapter
+            from sparsekv.scoring.adapter import ScorerAdapter
 
             self._adapters[path] = ScorerAdapter.from_pretrained(path)
         return self._adapters[path]
@@ -115,7 +115,7 @@ class Runner:
         work), take each learned policy's adapter fingerprint (`hashes`, by spec text) and
         resolved settings (`settings`, by spec text), and
         decide which methods fork from the shared prefill (`plan.plan_forks`)."""
-        from sparsekv.families import model_shape
+        from sparsekv.models.families import model_shape
 
         shape = model_shape(self.model)
         built = {}
@@ -165,7 +165,7 @@ class Runner:
         lora = self.lora_of(spec)
         if lora is None:
             return nullcontext()
-        from sparsekv.adapter_lora import apply_lora
+        from sparsekv.scoring.lora import apply_lora
 
         return apply_lora(self.model, lora)
 
@@ -324,7 +324,7 @@ class Runner:
         if not runs and REFERENCE_KEY in skip:
             return
         if sample.kind == "decode":  # a long continuation fed token by token: decode_grid runs it
-            from sparsekv.evaluation.decode_grid import decode_rows
+            from sparsekv.evaluation.running.decode_runs import decode_rows
 
             yield from decode_rows(self, sample, skip)
             return

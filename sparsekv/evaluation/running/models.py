@@ -1,8 +1,8 @@
 """Which model the harness evaluates, with the codec its tasks tokenize through: a thin wrapper
-over the shared loader (`sparsekv.loading`).
+over the shared loader (`sparsekv.models.loading`).
 
 Model specs: "default" (gemma-3-270m, offline), "tiny:<family>" (a 4-layer random model from
-`sparsekv.tiny`, read through the ASCII codec: no download) or a local Hugging Face model folder.
+`sparsekv.models.tiny`, read through the ASCII codec: no download) or a local Hugging Face model folder.
 Hub ids are not accepted here: an evaluation grid names what it ran exactly.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparsekv.evaluation.codec import AsciiCodec, Codec, HFCodec
-from sparsekv.loading import eos_ids
-from sparsekv.loading import load_model as _load
-from sparsekv.loading import validate_model_spec as _validate
-from sparsekv.tiny import TINY_FAMILIES, tiny_config  # noqa: F401  (public names of this module)
+from sparsekv.evaluation.tasks.codec import AsciiCodec, Codec, HFCodec
+from sparsekv.models.loading import eos_ids
+from sparsekv.models.loading import load_model as _load
+from sparsekv.models.loading import validate_model_spec as _validate
+from sparsekv.models.tiny import TINY_FAMILIES, tiny_config  # noqa: F401  (public names of this module)
 
 
 def validate_model_spec(spec: Any) -> None:

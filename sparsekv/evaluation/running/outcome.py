@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from sparsekv.evaluation import metrics as M
-from sparsekv.evaluation.codec import Codec
 from sparsekv.evaluation.tasks import Sample
+from sparsekv.evaluation.tasks.codec import Codec
 
 NAN = float("nan")
 

@@ -12,9 +12,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from sparsekv.evaluation.codec import Codec
 from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec
 from sparsekv.evaluation.tasks import Sample, make_sample
+from sparsekv.evaluation.tasks.codec import Codec
 
 REFERENCE_KEY = (REFERENCE, str(1.0))
 

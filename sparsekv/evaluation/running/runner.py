@@ -31,18 +31,15 @@ from typing import Any
 
 import torch
 
-from sparsekv.evaluation.codec import Codec
 from sparsekv.evaluation.config import EvalConfig
-from sparsekv.evaluation.execute import Runner
-from sparsekv.evaluation.folder import (
+from sparsekv.evaluation.rows.folder import (
     FolderLock,
     check_same_setup,
     read_prompts,  # noqa: F401  (public name, used by peers' scripts)
     write_config,
     write_prompts,
 )
-from sparsekv.evaluation.plan import build_samples, grid_size, groups_to_run, runs_left  # noqa: F401
-from sparsekv.evaluation.rows import (  # noqa: F401  (ROW_FIELDS, read_rows: public names)
+from sparsekv.evaluation.rows.store import (  # noqa: F401  (ROW_FIELDS, read_rows: public names)
     RESULTS,
     ROW_FIELDS,
     count_rows,
@@ -55,7 +52,10 @@ from sparsekv.evaluation.rows import (  # noqa: F401  (ROW_FIELDS, read_rows: pu
     part_path,
     read_rows,
 )
+from sparsekv.evaluation.running.execute import Runner
+from sparsekv.evaluation.running.plan import build_samples, grid_size, groups_to_run, runs_left  # noqa: F401
 from sparsekv.evaluation.tasks import Sample
+from sparsekv.evaluation.tasks.codec import Codec
 
 Group = tuple[Sample, str, frozenset]
 
@@ -63,7 +63,7 @@ Group = tuple[Sample, str, frozenset]
 def _environment(model, codec) -> dict[str, Any]:
     import transformers
 
-    from sparsekv import __version__
+    from sparsekv._version import __version__
 
     device = next(model.parameters()).device
     return {
@@ -120,7 +120,7 @@ def _run_groups(
     cfg: EvalConfig, groups: list[Group], part: Path, model=None, codec=None, on_row=None
 ) -> None:
     """Run `groups` ((sample, protocol, method keys to skip)) and append their rows to `part`."""
-    from sparsekv.evaluation.models import load_model
+    from sparsekv.evaluation.running.models import load_model
 
     if model is None:
         model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed, device=cfg.device)
@@ -240,7 +240,7 @@ def run_eval(
     """
     from tqdm.auto import tqdm
 
-    from sparsekv.evaluation.models import load_model
+    from sparsekv.evaluation.running.models import load_model
 
     if cfg.out is None:
         raise ValueError("out is not set: give --out DIR (or out: in the config)")
@@ -328,7 +328,7 @@ def run_eval(
         bar.close()
         merge_parts(out)
         if report:
-            from sparsekv.evaluation.report import write_reports
+            from sparsekv.evaluation.reports.tables import write_reports
 
             write_reports(out, readme_series)
     return out
@@ -338,7 +338,7 @@ def ingest_rows(out: str | Path, rows_path: str | Path, source: str | None = Non
     """Add result rows produced elsewhere (e.g. the kvpress peer run on `prompts.jsonl`) to the
     results of `out` (`rows.ingest`: a row replaces only the row of its own slot), then rewrite
     the summary and plots. Returns the number of rows added."""
-    from sparsekv.evaluation.report import write_reports
+    from sparsekv.evaluation.reports.tables import write_reports
 
     with FolderLock(out):
         n = ingest(out, rows_path, source)

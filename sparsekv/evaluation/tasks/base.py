@@ -2,7 +2,7 @@
 
 `make_sample(task, codec, length, index, seed, **options)` returns a `Sample`; the same
 arguments give the same sample (Python's `random.Random` seeded with a string is stable across
-runs and processes). The haystack is evaluation-only prose from `sparsekv.evaluation.text`;
+runs and processes). The haystack is evaluation-only prose from `sparsekv.evaluation.tasks.text`;
 lengths count the model's own tokens (`Codec`), prompt = `bos + context` then `question`, and the
 context is filled with whole sentences so that the prompt (plus the continuation, for the
 continuation tasks) holds at most `length` tokens and falls short of it by less than one
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sparsekv.evaluation.codec import Codec
-from sparsekv.evaluation.text import join_sentences, sentence_stream
+from sparsekv.evaluation.tasks.codec import Codec
+from sparsekv.evaluation.tasks.text import join_sentences, sentence_stream
 
 PROTOCOLS = ("agnostic", "aware")
 DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)

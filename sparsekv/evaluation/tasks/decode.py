@@ -2,7 +2,7 @@
 evicting cache evicts at every generated step (issue 18).
 
 - `decode_prose`, `decode_code`, `decode_steps`: `prompt_tokens` (<= 512) tokens of real text of
-  that kind from the evaluation-only sources (`sparsekv.evaluation.text.eval_texts(kind)`), then
+  that kind from the evaluation-only sources (`sparsekv.evaluation.tasks.text.eval_texts(kind)`), then
   the next `length` tokens of the same text teacher-forced; then `gen_tokens` tokens of free
   greedy generation after the continuation (compared with the full cache's).
 - `decode_recall`: the same on prose, but the continuation itself states three facts (a name, a
@@ -14,7 +14,7 @@ evicting cache evicts at every generated step (issue 18).
 For these tasks `length` is the number of continuation tokens (1,024-4,096 in the issue), not the
 prompt length; the prompt is `bos + prompt_tokens` tokens. Samples are deterministic in all
 arguments (see `tasks.make_sample`). This module registers the tasks into `tasks.TASKS`; running
-them is `sparsekv.evaluation.decode`'s job.
+them is `sparsekv.evaluation.running.decode`'s job.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from __future__ import annotations
 import random
 import re
 
-from sparsekv.evaluation.codec import Codec
-from sparsekv.evaluation.tasks import TASKS, Sample, TaskSpec
+from sparsekv.evaluation.tasks.base import TASKS, Sample, TaskSpec
+from sparsekv.evaluation.tasks.codec import Codec
 
-DECODE_KIND = "decode"  # Sample.kind of every task here: run by sparsekv.evaluation.decode
+DECODE_KIND = "decode"  # Sample.kind of every task here: run by sparsekv.evaluation.running.decode
 TEXT_KINDS = {"decode_prose": "prose", "decode_code": "code", "decode_steps": "steps"}
 MAX_PROMPT_TOKENS = 512
 
@@ -58,10 +58,10 @@ def _register(name: str, builder, metric: str, doc: str, **defaults) -> None:
 
 def _texts(kind: str) -> list[tuple[str, str]]:
     """The evaluation-only texts of `kind` as `[(source, raw_text), ...]`."""
-    from sparsekv.evaluation import text  # read at call time: tests substitute eval_texts
+    from sparsekv.evaluation.tasks import text  # read at call time: tests substitute eval_texts
 
     if not hasattr(text, "eval_texts"):
-        raise RuntimeError("sparsekv.evaluation.text.eval_texts is not available: the decode tasks "
+        raise RuntimeError("sparsekv.evaluation.tasks.text.eval_texts is not available: the decode tasks "
                            "read the evaluation-only sources through it")
     texts = list(text.eval_texts(kind))
     if not texts:

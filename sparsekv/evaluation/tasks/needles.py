@@ -1,58 +1,25 @@
-"""The digit, multi-hop, qa and language-model task families, and the one task registry.
+"""The digit, multi-hop and qa task families: needles of numbers (one pass key, several keys,
+several values, chains of variables) and real sentences asked back, placed in evaluation prose.
 
-Tasks (`TASKS`, in `sparsekv eval --list` order):
-- passkey: one pass key at a depth of 10-90% (the depth cycles over a seeded order of
-  10%, 20%, ..., 90% across samples).
-- multikey: several "special magic number for <key>" needles; the question asks for one.
-- multivalue: one key with several values; the question asks for all (score = recall).
-- vartrack: chains of variable assignments (`VAR X = 12345.`, `VAR Y = VAR X.`, ...) and a
-  distractor chain; asks which variables hold the value (multi-hop, score = recall).
-- qa: a real sentence from elsewhere in the corpus is placed in the context; the answer line
-  starts with its first words and the model must copy the next words from the text.
-- wordkey, uuidkey, multiquery, commonwords, freqwords: `tasks_words` (values that are words or
-  UUIDs, two keys asked at once, the most common words of a list, the most frequent made-up
-  words).
-- ppl: a long real text and its held-out continuation (teacher-forced): perplexity and the
-  KL divergence from the full cache over the continuation.
-- nexttok: a long real text followed by a short unrelated passage: top-1 next-token accuracy
-  inside the passage (short-context ability after the long prefix is compressed).
-- gen: a long real text, then free greedy generation: agreement with the full cache's output
-  and repetition rate.
-
-Questions follow a "Question: ...\nAnswer: ..." layout that ends where the answer starts: with
-a base model of this size that finds a pass key in 5 of 6 probes at 2K tokens where a
-one-line question found 2 of 6. All prose is evaluation-only (`sparsekv.evaluation.text`).
-
-`kind` says how the runner executes a sample: "answer" (generate, then match the answer),
-"continuation" (teacher-force `target_ids` after the context) or "generate" (generate, then
-compare with the full cache's output). Continuation and generation tasks have no question, so
-only the agnostic protocol applies to them. Samples, the registry and the haystack machinery are
-`tasks_base`'s; the names below are re-exported from it.
-"""
+Their fixed wordings are module constants (`PASSKEY`, ...); `sparsekv.evaluation.tasks.TEMPLATES`
+lists every evaluation wording, for the test that training needles never share one."""
 
 from __future__ import annotations
 
 import random
 import re
 
-from sparsekv.evaluation.tasks_base import (
-    DEPTHS,
-    PROTOCOLS,
-    TASKS,
+from sparsekv.evaluation.tasks.base import (
     Sample,
-    TaskSpec,
     chars_for,
     depth_for,
     fit,
-    get_task,
     magic_key,
-    make_sample,
     number,
     prose_filler,
     register,
-    task_names,
 )
-from sparsekv.evaluation.text import join_sentences, sentence_stream
+from sparsekv.evaluation.tasks.text import join_sentences, sentence_stream
 
 # The fixed wordings of the needles and questions ({...} are the values filled in); TEMPLATES
 # (below) lists every evaluation wording, for the test that training needles never share one.
@@ -69,8 +36,6 @@ VARTRACK = ("VAR {a} = {value}.", "VAR {b} = VAR {a}.",
              "are assigned the value {value}, they are:"))
 QA_QUESTION = "Continue this sentence from the text above."
 
-__all__ = ["DEPTHS", "PROTOCOLS", "TASKS", "Sample", "TaskSpec", "get_task", "make_sample",
-           "task_names"]
 
 
 # --------------------------------------------------------------------------- retrieval tasks
@@ -198,64 +163,3 @@ def _qa(rng, codec, length, index, seed, cue_words: int = 6, answer_words: int =
     ctx, cids, qids, _ = fit(codec, filler, [(depth, s)], question, length)
     return Sample("qa", f"qa-{length}-{index}", "answer", ctx, question, answer, cids, qids,
                   metadata={"depth": depth, "sentence": s})
-
-
-# The word, UUID, multi-query and word-count families register here, after the digit ones and
-# before the language-model tasks (the order of `sparsekv eval --list` and of the reports).
-from sparsekv.evaluation import tasks_words  # noqa: E402
-
-TEMPLATES: tuple[str, ...] = (
-    *PASSKEY, MAGIC_NEEDLE, *MULTIKEY, *MULTIVALUE, *VARTRACK, QA_QUESTION, *tasks_words.TEMPLATES
-)
-
-
-# --------------------------------------------------------------------------- language-model tasks
-
-
-def _continuation(rng, codec, length, target_tokens, far: bool):
-    """(context, context_ids, target_ids): prose fitted to `length - target_tokens`, then
-    `target_tokens` tokens of either the same text continued or (far) an unrelated passage."""
-    if target_tokens < 2 or target_tokens >= length // 2:
-        raise ValueError(f"target_tokens={target_tokens} must be in [2, length/2)")
-    filler = prose_filler(rng, chars_for(length))
-    ctx, cids, _, (n, k) = fit(codec, filler, [], "", length - target_tokens)
-    if far:  # an unrelated passage from elsewhere in the corpus
-        nxt = prose_filler(rng, 6 * target_tokens + 200, avoid=None)
-    elif k:  # the same text, continued from the middle of the sentence where the context stops
-        nxt = [(" ".join(filler[n][0].split()[k:]), False)] + filler[n + 1 :]
-    else:  # the same text, continued (the filler always extends well past what fits)
-        nxt = filler[n:]
-    cont = ("\n\n" if nxt[0][1] else " ") + join_sentences(nxt)
-    target = codec.encode(cont)[:target_tokens]
-    if len(target) < target_tokens:
-        raise ValueError(f"not enough prose for a {target_tokens}-token continuation")
-    return ctx, cids, target
-
-
-@register("ppl", "continuation", max_new_tokens=0, metric="perplexity", protocols=("agnostic",),
-           target_tokens=64)
-def _ppl(rng, codec, length, index, seed, target_tokens: int = 64) -> Sample:
-    """A long real text; its next `target_tokens` tokens are teacher-forced after the prefix is
-    compressed: perplexity and mean KL from the full cache over the continuation."""
-    ctx, cids, target = _continuation(rng, codec, length, target_tokens, far=False)
-    return Sample("ppl", f"ppl-{length}-{index}", "continuation", ctx, "", codec.decode(target),
-                  cids, [], target_ids=target)
-
-
-@register("nexttok", "continuation", max_new_tokens=0, metric="top1", protocols=("agnostic",),
-           target_tokens=48)
-def _nexttok(rng, codec, length, index, seed, target_tokens: int = 48) -> Sample:
-    """A long real text, then a short unrelated real passage: top-1 next-token accuracy inside
-    the passage (its own few tokens are the only context that matters)."""
-    ctx, cids, target = _continuation(rng, codec, length, target_tokens, far=True)
-    return Sample("nexttok", f"nexttok-{length}-{index}", "continuation", ctx, "",
-                  codec.decode(target), cids, [], target_ids=target)
-
-
-@register("gen", "generate", max_new_tokens=48, metric="agreement", protocols=("agnostic",))
-def _gen(rng, codec, length, index, seed) -> Sample:
-    """A long real text, then free greedy generation: token agreement with the full cache's
-    output and repetition rate."""
-    filler = prose_filler(rng, chars_for(length))
-    ctx, cids, _, _ = fit(codec, filler, [], "", length - TASKS["gen"].max_new_tokens)
-    return Sample("gen", f"gen-{length}-{index}", "generate", ctx, "", None, cids, [])

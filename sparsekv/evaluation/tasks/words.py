@@ -33,7 +33,7 @@ import re
 import uuid
 from collections import Counter
 
-from sparsekv.evaluation.tasks_base import (
+from sparsekv.evaluation.tasks.base import (
     Sample,
     chars_for,
     fit,
@@ -43,7 +43,7 @@ from sparsekv.evaluation.tasks_base import (
     prose_filler,
     register,
 )
-from sparsekv.evaluation.text import join_sentences, sentence_stream
+from sparsekv.evaluation.tasks.text import join_sentences, sentence_stream
 
 # (needle with {key} and {value}, question with {key}, start of the answer line with {key}).
 WORDKEY = (

@@ -1,0 +1,1 @@
+"""Peers run in their own environments (kvpress pins transformers < 5.3)."""

@@ -1,0 +1,99 @@
+"""The forward hooks a `SparseKVCache` installs on its model: capturing attention inputs, noting a
+forward's token ids, scoring a repeat pass once a forward returns, chunking a long prefill.
+
+Each hook holds a weak reference to its cache and acts only on forwards through that cache."""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.cache.layer import EvictingLayer
+from sparsekv.policies.repeat_pass import score_pending
+
+
+def _remove_hooks(hooks: list) -> None:
+    for h in hooks:
+        h.remove()
+    hooks.clear()
+
+
+def _capture_hidden(ref, layer: EvictingLayer, first: bool):
+    def hook(module, args, kwargs):
+        cache = ref()
+        if cache is not None and kwargs.get("cache") is cache:
+            layer.hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            if first:  # layers run in order: deeper budgeted layers of this step may read it
+                cache.shared.first_hidden = layer.hidden
+
+    return hook
+
+
+def _note_inputs(ref):
+    """Forward pre-hook on the model: keep the forward's `input_ids` `(batch, new)`, 2-D
+    `attention_mask` `(batch, seen)` and `position_ids` for a repeat pass (not those of the
+    repeat's own forwards), and the ids for policies that read them."""
+
+    def hook(module, args, kwargs):
+        cache = ref()
+        if cache is not None and kwargs.get("cache") is cache and not cache.in_repeat:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            cache.step_inputs = (ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+            cache.shared.input_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+    return hook
+
+
+def _after_forward(ref):
+    """Forward hook on the model: once a forward through the cache returns, score the entries it
+    left pending by a repeat pass (then they are evicted)."""
+
+    def hook(module, args, kwargs, output):
+        cache = ref()
+        if cache is not None and kwargs.get("cache") is cache and not cache.in_repeat:
+            score_pending(cache)
+
+    return hook
+
+
+def _chunk_prefill(ref):
+    """Forward pre-hook on the model: run all but the last chunk of a long input as separate
+    forwards through this cache (each followed by eviction), then let the call go on with the
+    last chunk."""
+
+    def hook(module, args, kwargs):
+        cache = ref()
+        if cache is None or kwargs.get("cache") is not cache or cache._in_chunked_prefill:
+            return None
+        if args:
+            kwargs = {"input_ids": args[0], **kwargs}
+        ids = kwargs.get("input_ids")
+        chunk = cache.config.prefill_chunk
+        if ids is None or ids.shape[1] <= chunk:
+            return None
+        n = ids.shape[1]
+        seen = cache.tokens_seen()
+        mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        last = n - ((n - 1) % chunk + 1)  # start of the final chunk
+        if mask is not None:  # chunks may be single tokens: have the layers check them all
+            cache.shared.padding_check_until = seen + n
+        cache._in_chunked_prefill = True
+        try:
+            with torch.no_grad():
+                for s in range(0, last, chunk):
+                    e = s + chunk
+                    module(
+                        input_ids=ids[:, s:e],
+                        attention_mask=None if mask is None else mask[:, : seen + e],
+                        position_ids=None if pos is None else pos[:, s:e],
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+        finally:
+            cache._in_chunked_prefill = False
+        kwargs["input_ids"] = ids[:, last:]
+        if pos is not None:
+            kwargs["position_ids"] = pos[:, last:]
+        return (), kwargs
+
+    return hook

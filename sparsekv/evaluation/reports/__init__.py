@@ -1,0 +1,1 @@
+"""From rows to numbers, tables and figures: summaries, `summary.csv` / `summary.md`, plots, decode reports."""

@@ -1,0 +1,98 @@
+"""Files written so that a kill never leaves half of one: the one atomic writer and the one
+JSON-lines reader of the project.
+
+`atomic_path(path)` yields a unique temporary sibling of `path` for any writer (torch.save,
+safetensors, a text file); when the block ends, the temporary file is flushed to disk and renamed
+over `path` (readers, and a crash, see the old file or the new one, never part of it); on an
+error it is removed and `path` is left as it was. `write_atomic` writes text or bytes that way.
+`read_jsonl` reads rows and drops a torn last line (a write cut short by a kill) with a warning,
+while a bad line before it is an error naming the file and the line. Nothing here knows what
+the files hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+__all__ = ["atomic_path", "read_jsonl", "write_atomic"]
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # not every platform opens folders
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, mode: int = 0o644) -> Iterator[Path]:
+    """A temporary path in `path`'s folder (created if missing), renamed over `path` when the
+    block ends without an error, after its data reached the disk."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write `data` (text as UTF-8, or bytes) to `path` atomically; returns the path."""
+    with atomic_path(path) as tmp:
+        if isinstance(data, str):
+            tmp.write_text(data, encoding="utf-8")
+        else:
+            tmp.write_bytes(data)
+    return Path(path)
+
+
+def read_jsonl(path: str | os.PathLike, what: str = "JSON row", missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file, one per non-blank line. A last line that does not parse
+    (a write cut short by a kill) is dropped with a warning on stderr; a bad line before it raises
+    ValueError naming `path:line`. `missing_ok`: a missing file reads as no rows."""
+    path = Path(path)
+    if missing_ok and not path.exists():
+        return []
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a JSON-lines file")
+    lines = path.read_bytes().split(b"\n")
+    numbered = [(i, ln) for i, ln in enumerate(lines, 1) if ln.strip()]
+    rows: list[dict[str, Any]] = []
+    for j, (i, line) in enumerate(numbered):
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            row = e
+        if not isinstance(row, dict):
+            if j == len(numbered) - 1:
+                print(
+                    f"[sparsekv] {path}:{i}: dropped a torn last line ({len(line)} bytes, a "
+                    f"write cut short by a stop); the {len(rows)} rows before it are kept",
+                    file=sys.stderr,
+                )
+                break
+            why = row if isinstance(row, ValueError) else f"a JSON {type(row).__name__}, not an object"
+            raise ValueError(f"{path}:{i} is not a {what} ({why}); fix or remove that line")
+        rows.append(row)
+    return rows

@@ -1,0 +1,2 @@
+"""Serving compressed contexts: compress once, ask many (`compressed`), and integrations with
+serving engines."""
