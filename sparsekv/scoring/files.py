@@ -48,7 +48,6 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,7 @@ from typing import Any
 import torch
 
 from sparsekv.config import LEARNED_SETTINGS, check_learned_settings, without_later_defaults
+from sparsekv.configfile import from_fields
 from sparsekv.scoring.head import KINDS, GatingHead
 from sparsekv.teacher.statistics import TargetConfig
 
@@ -346,13 +346,7 @@ class AdapterConfig:
             d = {**d, **aware, "uses": uses}
         elif "uses" in d:
             raise ValueError("uses is a format-2 field; this config says format_version 1")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown AdapterConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}"
-            )
-        return cls(**d)
+        return from_fields(cls, d)
 
 
 # ---- reading a folder ---------------------------------------------------------------------------
@@ -471,37 +465,178 @@ def safetensors_bytes(state: dict[str, torch.Tensor]) -> bytes:
     return len(header).to_bytes(8, "little") + header + raw[8 + n :]
 
 
-def write_folder(target: Path, fill: Callable[[Path], None]) -> Path:
-    """Write a folder atomically: `fill(tmp)` writes into a temporary sibling, which is renamed
-    into place; an existing folder is renamed aside first and deleted only after the new one is
-    in place, so a reader sees the old folder, the new one, or (for an instant) none, never a
-    mix. Returns `target`."""
+ADAPTER_NAMES = frozenset(
+    (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME)
+)
+"""What an adapter folder may hold at its top level besides the `LORA_DIR` subfolder (format 2
+and format 1 names; `save_pretrained` writes the format-2 ones and leaves the others)."""
+LORA_NAMES = frozenset(("adapter_config.json", "adapter_model.safetensors", CARD_NAME))
+"""What the `LORA_DIR` subfolder (a PEFT folder) may hold."""
+_TMP = ".tmp-"
+
+
+def _temp_of(name: str, allowed: frozenset[str]) -> bool:
+    """Whether `name` is a temporary file of a save (`.NAME.tmp-PID-XXXX`) for a name in `allowed`."""
+    if not name.startswith(".") or _TMP not in name:
+        return False
+    return name[1:].split(_TMP, 1)[0] in allowed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _stale(name: str) -> bool:
+    """A temporary name (`...tmp-PID-XXXX`) whose writing process is gone (a killed save)."""
+    pid = name.rsplit(_TMP, 1)[-1].split("-", 1)[0]
+    return pid.isdigit() and not _pid_alive(int(pid))
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """The entries of an existing `folder` that are not an adapter's (`ADAPTER_NAMES`, a
+    `LORA_DIR` subfolder of `LORA_NAMES`, the temporary files of a save), relative to it."""
+    out = []
+    for p in sorted(Path(folder).iterdir()):
+        if p.name == LORA_DIR and p.is_dir() and not p.is_symlink():
+            out += [
+                f"{LORA_DIR}/{q.name}"
+                for q in sorted(p.iterdir())
+                if not (
+                    (q.name in LORA_NAMES and q.is_file()) or _temp_of(q.name, LORA_NAMES)
+                )
+            ]
+        elif not ((p.name in ADAPTER_NAMES and p.is_file()) or _temp_of(p.name, ADAPTER_NAMES)):
+            out.append(p.name + ("/" if p.is_dir() else ""))
+    return out
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # platforms without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _stage(dest: Path, data: bytes) -> Path:
+    """`data` written and fsynced into a temporary file beside `dest` (same folder, so that
+    `os.replace` onto `dest` is atomic)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}{_TMP}{os.getpid()}-", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def _remove_stale_temps(folder: Path) -> None:
+    """Temporary files and folders that killed saves left in `folder` (and its `LORA_DIR`)."""
+    for where, allowed in ((folder, ADAPTER_NAMES), (folder / LORA_DIR, LORA_NAMES)):
+        if not where.is_dir():
+            continue
+        for p in where.iterdir():
+            if _temp_of(p.name, allowed) and _stale(p.name):
+                p.unlink(missing_ok=True)
+
+
+def write_folder(
+    target: Path, files: dict[str, bytes], overwrite: bool = False
+) -> Path:
+    """Write an adapter folder: `files` maps a path relative to `target` (`config.json`,
+    `lora/adapter_model.safetensors`, ...) to its bytes. Returns `target`.
+
+    A new folder is filled as a temporary sibling and renamed into place (a reader sees no
+    folder or the complete one). Into an existing folder, each file is written to a temporary
+    file beside it, fsynced, and moved over the old one with `os.replace`, all of them staged
+    before the first is replaced; nothing else in the folder is touched, so saving never
+    removes a file it did not write (a `lora/` of an earlier save stays, unnamed by the new
+    config, when the new adapter has none). An existing folder that holds anything but an
+    adapter's files (`foreign_files`: a training run's `step-*/`, `metrics.jsonl`, ...) is
+    refused with a ValueError naming them, unless `overwrite=True`, which writes the adapter's
+    files beside them and leaves them as they are. Temporary files of killed saves are removed."""
     target = Path(target).expanduser()
     if target.exists() and not target.is_dir():
         raise ValueError(f"save_directory={str(target)!r} exists and is not a folder")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    old = None
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite={overwrite!r} must be True or False")
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for p in target.parent.iterdir():
+            if p.name.startswith(f".{target.name}{_TMP}") and p.is_dir() and _stale(p.name):
+                # the temporary folder of a killed save
+                shutil.rmtree(p, ignore_errors=True)
+        tmp = Path(
+            tempfile.mkdtemp(prefix=f".{target.name}{_TMP}{os.getpid()}-", dir=target.parent)
+        )
+        try:
+            os.chmod(tmp, 0o755)
+            for rel, data in files.items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_bytes(data)
+                with open(tmp / rel, "rb+") as f:
+                    os.fsync(f.fileno())
+            if target.exists():  # another save made it meanwhile: write into it instead
+                raise FileExistsError(target)
+            os.rename(tmp, target)
+            _fsync_dir(target.parent)
+            return target
+        except FileExistsError:
+            pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    foreign = foreign_files(target)
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        raise ValueError(
+            f"save_directory={str(target)!r} is not an adapter folder: it holds {shown}, which "
+            "an adapter does not write. Nothing was written or removed; save into a new (or "
+            "an adapter's) folder, or pass overwrite=True to write the adapter's files beside "
+            "them (they are left as they are)"
+        )
+    _remove_stale_temps(target)
+    staged: list[tuple[Path, Path]] = []
     try:
-        os.chmod(tmp, 0o755)
-        fill(tmp)
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.rename(target, old / "adapter")
-        os.rename(tmp, target)
+        for rel, data in files.items():
+            dest = target / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dest.is_dir():
+                raise ValueError(f"{dest} is a folder; the adapter writes a file there")
+            staged.append((_stage(dest, data), dest))
+        for tmp, dest in staged:
+            os.replace(tmp, dest)
+        for folder in {dest.parent for _, dest in staged}:
+            _fsync_dir(folder)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
     return target
 
 
-def write_files(
-    folder: Path, config: AdapterConfig, state: dict[str, torch.Tensor], card: str
-) -> None:
-    """The three format-2 files into `folder` (used inside `write_folder`)."""
-    (folder / WEIGHTS_NAME).write_bytes(safetensors_bytes(state))
-    (folder / CONFIG_NAME).write_text(
-        json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8"
-    )
-    (folder / CARD_NAME).write_text(card, encoding="utf-8")
+def adapter_files(
+    config: AdapterConfig, state: dict[str, torch.Tensor], card: str
+) -> dict[str, bytes]:
+    """The three format-2 files, by name, in the order `write_folder` replaces them (the weights
+    first, the config that describes them last)."""
+    return {
+        WEIGHTS_NAME: safetensors_bytes(state),
+        CARD_NAME: card.encode("utf-8"),
+        CONFIG_NAME: (json.dumps(config.to_dict(), indent=2) + "\n").encode("utf-8"),
+    }

@@ -11,7 +11,9 @@ the learned policy calls). It imports neither the cache nor the policies: `Score
 A folder holds `config.json` (type tag, format version 2, the base model's shape, the target, the
 learned policy's settings per use), `model.safetensors` (the head), `README.md` (the card) and
 optionally `lora/` (a standard PEFT LoRA folder). Format-1 folders (`adapter_config.json` +
-`adapter_model.safetensors`) still load. Saving is atomic (a temporary sibling renamed into place).
+`adapter_model.safetensors`) still load. Saving is atomic (a new folder is a temporary sibling
+renamed into place; in an existing one each file is replaced atomically) and never removes a file
+it did not write.
 
 LoRA: `save_pretrained(folder, lora=peft_model)` (a trained `peft.PeftModel`, a `LoraWeights`, or
 a PEFT folder) stores a LoRA of the base model beside the head, in `lora/`; `from_pretrained`
@@ -43,11 +45,11 @@ from sparsekv.scoring.files import (
     POLICY_DEFAULTS,
     WEIGHTS_NAME,
     AdapterConfig,
+    adapter_files,
     folder_files,
     hash_tensors,
     read_config,
     read_weights,
-    write_files,
     write_folder,
 )
 from sparsekv.scoring.head import GatingHead
@@ -167,24 +169,39 @@ class TrainedScorer:
         return cls(head, config)
 
     # ---- files ---------------------------------------------------------------------------
-    def save_pretrained(self, save_directory: str | os.PathLike, lora: Any = None) -> Path:
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, lora: Any = None, *, overwrite: bool = False
+    ) -> Path:
         """Write the adapter folder (format 2: `config.json`, `model.safetensors`, `README.md`,
-        and `lora/` when the adapter carries a LoRA) atomically; returns its path. `lora` (a
+        and `lora/` when the adapter carries a LoRA); returns its path. `lora` (a
         `peft.PeftModel`, a `LoraWeights` or a PEFT folder) is first attached to this adapter
-        (`set_lora`). Two saves of the same adapter write the same weight bytes."""
+        (`set_lora`). Two saves of the same adapter write the same weight bytes.
+
+        Saving never removes a file it did not write: a new folder appears complete (a
+        temporary sibling renamed into place); in an existing adapter folder each file is
+        replaced atomically (temporary file, fsync, `os.replace`) and nothing else is touched.
+        A folder holding anything else (a training run's `step-*/`, `metrics.jsonl`, ...) is
+        refused with a ValueError naming those files, unless `overwrite=True`, which writes the
+        adapter's files beside them and leaves them in place."""
+        if not isinstance(overwrite, bool):
+            raise ValueError(f"overwrite={overwrite!r} must be True or False")
         if lora is not None:
             self.set_lora(lora)
         state = {
             k: v.detach().to("cpu", torch.float32).contiguous()
             for k, v in self.head.state_dict().items()
         }
-
-        def fill(tmp: Path) -> None:
-            write_files(tmp, self.config, state, self.model_card())
-            if self.lora is not None:
-                self.lora.save(tmp / LORA_DIR)
-
-        return write_folder(Path(save_directory), fill)
+        files: dict[str, bytes] = {}
+        if self.lora is not None:
+            with tempfile.TemporaryDirectory(prefix="sparsekv-lora-") as tmp:
+                self.lora.save(Path(tmp))
+                files.update(
+                    (f"{LORA_DIR}/{p.name}", p.read_bytes())
+                    for p in sorted(Path(tmp).iterdir())
+                    if p.is_file()
+                )
+        files.update(adapter_files(self.config, state, self.model_card()))
+        return write_folder(Path(save_directory), files, overwrite=overwrite)
 
     @classmethod
     def from_pretrained(
