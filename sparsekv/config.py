@@ -9,8 +9,10 @@ config records them too, and the adapter format must not import the policies (no
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from sparsekv.configfile import from_fields
 
 SCHEDULES = ("uniform", "pyramid")
 QUANTIZE = (None, "int8")
@@ -230,10 +232,4 @@ class EvictionConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvictionConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown EvictionConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}"
-            )
-        return cls(**d)
+        return from_fields(cls, d)

@@ -215,7 +215,7 @@ def test_only_the_head_gets_gradients(corpus):
     from sparsekv.scoring.adapter import ScorerAdapter
     from sparsekv.teacher.losses import LossConfig
     from sparsekv.teacher.statistics import TargetConfig
-    from train.loop import LayerwiseHead, Objective
+    from train.objective import LayerwiseHead, Objective
 
     model, tok, _ = load_model("tiny:llama", seed=0)
     model.train()  # even in train mode nothing of the base may collect gradients
@@ -355,7 +355,7 @@ def test_a_damaged_metrics_line_before_the_last_is_a_clear_error(smoke_run, tmp_
     with pytest.raises(SystemExit) as e:
         run_inprocess(["max_steps=6", *common(out, corpus)])
     assert e.value.code == 2
-    assert "metrics.jsonl: line 2 is not a JSON object" in capsys.readouterr().err
+    assert "metrics.jsonl:2 is not a JSON object" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model", ["tiny:qwen3", "tiny:gemma3"])
@@ -386,7 +386,8 @@ def test_resuming_onto_another_layer_set_is_a_clear_error(smoke_run, tmp_path, c
 
 
 def test_cpu_true_under_a_deepspeed_launch_is_an_error(monkeypatch):
-    from train.loop import RunError, make_accelerator
+    from train.distributed import make_accelerator
+    from train.run import RunError
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(RunError, match="cpu=true with an accelerate config that names DeepSpeed"):
@@ -394,7 +395,8 @@ def test_cpu_true_under_a_deepspeed_launch_is_an_error(monkeypatch):
 
 
 def test_deepspeed_with_several_cpu_processes_is_an_error(monkeypatch):
-    from train.loop import RunError, make_accelerator
+    from train.distributed import make_accelerator
+    from train.run import RunError
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -607,7 +609,7 @@ def test_latest_skips_incomplete_folders_and_prune_keeps_the_newest(tmp_path):
 
 
 def test_warmup_cosine_schedule():
-    from train.loop import warmup_cosine
+    from train.run import warmup_cosine
 
     lr = [warmup_cosine(s, warmup=2, total=6, min_ratio=0.1) for s in range(8)]
     assert lr[:2] == [0.5, 1.0] and lr[2] == 1.0
@@ -777,7 +779,7 @@ def test_kvzap_objective_trains_the_kvzap_head_with_mse(corpus):
     from sparsekv.scoring.adapter import ScorerAdapter
     from sparsekv.teacher.losses import LossConfig
     from sparsekv.teacher.statistics import TargetConfig
-    from train.loop import LayerwiseHead, Objective
+    from train.objective import LayerwiseHead, Objective
 
     model, tok, _ = load_model("tiny:llama", seed=0)
     adapter = ScorerAdapter.for_model(model, kind="kvzap", hidden=32)

@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from sparsekv.configfile import read_yaml_mapping, yaml_problem
+
 LOG_WITH = ("auto", "tensorboard", "none")
 PACKING = ("pack", "pad")
 HEAD_KINDS = ("mlp", "linear", "kvzap")
@@ -367,14 +369,7 @@ def parse_value(text: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ValueError(f"value {text!r} is not valid YAML ({_yaml_problem(e)})") from None
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """A YAML error in one line: what is wrong and where (line:column, 1-based)."""
-    mark = getattr(e, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"{getattr(e, 'problem', None) or type(e).__name__}{where}"
+        raise ValueError(f"value {text!r} is not valid YAML ({yaml_problem(e)})") from None
 
 
 def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -409,15 +404,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     """
     d: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"--config {str(path)!r}: no such file")
-        try:
-            d = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"--config {str(path)!r}: not valid YAML: {_yaml_problem(e)}") from e
-        if not isinstance(d, dict):
-            raise ValueError(f"--config {str(path)!r}: expected a mapping of config keys")
+        d = read_yaml_mapping(path, "--config")
     d = apply_overrides(d, list(overrides))
     if d.get("run_name") is None:
         d["run_name"] = Path(path).stem if path is not None else "run"

@@ -117,17 +117,9 @@ def resolve_config(args: argparse.Namespace):
     if ev is not None:
         overrides["eviction"] = ev
     if args.config:
-        import yaml
+        from sparsekv.configfile import read_yaml_mapping
 
-        path = Path(args.config)
-        if not path.is_file():
-            raise ValueError(f"--config {args.config!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"--config {args.config!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"--config {args.config!r} must hold a mapping of fields")
+        data = read_yaml_mapping(args.config, "--config")
         if "eviction" in overrides and isinstance(data.get("eviction"), dict):
             overrides["eviction"] = {**data["eviction"], **overrides["eviction"]}
         for single, plural in (("budget", "budgets"), ("policy", "policies"), ("protocol", "protocols"),

@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from sparsekv.config import EvictionConfig
+from sparsekv.configfile import read_yaml_mapping
 from sparsekv.evaluation.tasks import PROTOCOLS, TASKS, get_task
 
 EVICTION_FIELDS = tuple(f.name for f in fields(EvictionConfig) if f.name != "budget")
@@ -339,14 +340,6 @@ class EvalConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> EvalConfig:
         """Read a YAML config; `overrides` (not None) replace its fields."""
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {str(p)!r} must hold a mapping of fields, got {type(data).__name__}")
+        data = read_yaml_mapping(path, "config file")
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.from_dict(data)

@@ -37,11 +37,13 @@ inside the target's own top-k (1 = as good as the teacher's own choice).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from sparsekv.configfile import from_fields
 
 KINDS = ("ranking", "mse")
 MSE_FLOOR = 1e-12
@@ -96,13 +98,7 @@ class LossConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LossConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown LossConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}"
-            )
-        return cls(**d)
+        return from_fields(cls, d)
 
 
 def ranked_positions(

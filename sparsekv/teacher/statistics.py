@@ -78,12 +78,13 @@ layer. The model's attention implementation is restored afterwards.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from sparsekv.configfile import from_fields
 from sparsekv.models.families import model_shape
 from sparsekv.teacher.forward import (  # noqa: F401  (teacher_attention re-exported)
     TEACHER_EAGER,
@@ -195,13 +196,7 @@ class TargetConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown TargetConfig field(s) {unknown}; allowed: {', '.join(sorted(known))}"
-            )
-        return cls(**d)
+        return from_fields(cls, d)
 
     def describe(self) -> str:
         """One line for model cards and logs."""

@@ -1,0 +1,57 @@
+"""Reading config files and building config dataclasses from mappings: the one YAML reader and
+the one unknown-field check of the project (training configs, evaluation grids, eviction, loss,
+target and adapter configs).
+
+Errors are ValueErrors that name the file (or the dataclass) and say what to fix: a missing file,
+YAML that does not parse (with the line and column), a file that is not a mapping, a field the
+dataclass does not have (with the allowed ones). It knows no particular config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["from_fields", "read_yaml_mapping", "yaml_problem"]
+
+T = TypeVar("T")
+
+
+def yaml_problem(e: Exception) -> str:
+    """A YAML error in one line: what is wrong and where (line:column, 1-based)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or type(e).__name__}{where}"
+
+
+def read_yaml_mapping(path: str | os.PathLike, label: str = "config file") -> dict[str, Any]:
+    """The mapping a YAML file holds (an empty file is `{}`); `label` names the file in errors
+    (e.g. "--config")."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        what = "is a folder, not a file" if p.is_dir() else "does not exist"
+        raise ValueError(f"{label} {str(p)!r} {what}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{label} {str(p)!r} is not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{label} {str(p)!r} is not valid YAML: {yaml_problem(e)}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{label} {str(p)!r} must hold a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def from_fields(cls: type[T], d: dict[str, Any]) -> T:
+    """`cls(**d)` for a dataclass, after checking that every key of `d` is one of its fields."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a {cls.__name__} is built from a mapping of fields, got {type(d).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known, key=str)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; allowed: {', '.join(sorted(known))}")
+    return cls(**d)
