@@ -1,20 +1,22 @@
-"""The whole default pipeline in one command: train the scorer for gemma-3-270m on the CPU, then
-evaluate it against every heuristic at 4K tokens, writing the table and the plots.
+"""The whole default pipeline in one command: train the shipped recipe for gemma-3-270m on the
+CPU, then run the generalize grid (the headline grid: evaluation-only text, every task family,
+both protocols, the new head against the heuristics and the peers), writing the table and plots.
 
-    python eval/run_default.py                          # train (~8 min) + evaluate (samples: 2)
-    python eval/run_default.py --samples 50 --resume    # the full grid; rerun to continue it
-    python eval/run_default.py --skip-train             # evaluate the shipped adapters
+    python eval/run_default.py                          # train + the grid, 2 samples, quick
+    python eval/run_default.py --skip-train             # the grid with the shipped adapter
+    python eval/run_default.py --samples 30 --length 4096 --budgets 0.1,0.2,0.3 --resume
+                                                        # the full grid of generalize-4k.yaml
 
-Stage 1 trains two adapters at once, one process of one thread each (a 2-core machine runs
-both in the time of one): `configs/train/gemma3-270m-cpu.yaml` into `checkpoints/<run>/` and
-the per-layer-target ablation (`target.cross_layer=per_layer`) into `checkpoints/<run>-perlayer/`.
-Both resume if interrupted (`resume=auto`). Stage 2 runs `configs/eval/learned-4k.yaml` with
-the shipped adapter paths replaced by the new ones (the config used is written next to the
-results as `pipeline-eval.yaml`), which writes results.jsonl, summary.csv, summary.md and the
-PNG plots into `--out` (without `--resume` the grid reruns with `--overwrite`: its rows in
-`--out` are replaced, any other rows there kept). Each stage shows a progress bar with an ETA;
-the estimate printed first comes from the timings measured on 2 CPU cores and recorded in the
-two config files.
+Stage 1 trains `configs/train/gemma3-270m-cpu.yaml` (the shipped recipe) into
+`checkpoints/<run>/` (resumes if interrupted: `resume=auto`). Stage 2 runs
+`configs/eval/generalize-4k.yaml` with the shipped head replaced by the new one, on the config's
+seed: by default 2 samples per task at 2,048 tokens and budget 0.3 so that the whole job stays
+within ~25 minutes on 2 idle cores (an estimate: see `estimate_minutes`) (`--length`, `--budgets`,
+`--samples`, `--seed` give the full grid). The config used is written next to the results as
+`pipeline-eval.yaml`; results.jsonl, summary.csv, summary.md and the PNG plots go into `--out`
+(without `--resume` the grid reruns with `--overwrite`: its rows in `--out` are replaced, any
+other rows there kept). Each stage shows a progress bar with an ETA; the estimate printed first
+comes from timings measured on 2 CPU cores (the constants below).
 """
 
 from __future__ import annotations
@@ -27,19 +29,19 @@ from pathlib import Path
 
 import yaml
 
+from sparsekv.io import write_atomic
 from sparsekv.scoring.files import CONFIG_NAME, LEGACY_CONFIG_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIG = "configs/train/gemma3-270m-cpu.yaml"
-EVAL_CONFIG = "configs/eval/learned-4k.yaml"
+EVAL_CONFIG = "configs/eval/generalize-4k.yaml"
 SHIPPED = "checkpoints/gemma3-270m-sparsekv"
-# the head learned-4k.yaml was measured with (shipped before the tuning seed chose signal=both)
-GRID_HEAD = "checkpoints/gemma3-270m-sparsekv-questions"
-# Measured on 2 CPU cores (see the config headers): both trainings side by side ~8 min on an
-# idle machine (19 min when other jobs share the cores); evaluation per sample index of
-# learned-4k.yaml with 2 workers.
+# Estimates for 2 idle CPU cores: the shipped recipe trains in ~8 min (configs/train header);
+# generalize-4k.yaml takes ~20-30 min per sample index at 4,096 tokens and 3 budgets (its
+# header), so one budget at 2,048 tokens about a sixth of that (prefill ~3 s at 2K against ~8 s
+# at 4K; every budget of a method forks from one recorded prefill).
 TRAIN_MINUTES = 8
-EVAL_MINUTES_PER_SAMPLE = 7
+EVAL_MINUTES_PER_SAMPLE_4K_3_BUDGETS = 25
 
 
 def run(cmds: list[list[str]]) -> None:
@@ -53,57 +55,75 @@ def run(cmds: list[list[str]]) -> None:
         raise SystemExit(f"a stage failed (exit codes {codes}); rerun the same command to resume it")
 
 
-def eval_config(adapter: str, perlayer: str, samples: int, out: str) -> dict:
-    """learned-4k.yaml with its adapters (the head it was measured with, and the per-layer one)
-    replaced by `adapter` / `perlayer`."""
+def eval_config(adapter: str, samples: int, out: str, length: int = 2048,
+                budgets: list[float] | None = None, seed: int | None = None) -> dict:
+    """generalize-4k.yaml with the shipped head (`learned:` + SHIPPED) replaced by `adapter`, and
+    the grid sized by `samples`, `length`, `budgets` and `seed` (None: the config's)."""
     cfg = yaml.safe_load((ROOT / EVAL_CONFIG).read_text())
-    swap = {
-        f"learned:{GRID_HEAD}": f"learned:{adapter}",
-        f"learned:{SHIPPED}": f"learned:{adapter}",
-        f"learned:{SHIPPED}-perlayer": f"learned:{perlayer}",
-    }
+    swap = {f"learned:{SHIPPED}": f"learned:{adapter}"}
     cfg["policies"] = [
         {**p, "policy": swap.get(p["policy"], p["policy"])} if isinstance(p, dict) else swap.get(p, p)
         for p in cfg["policies"]
     ]
-    cfg["samples"], cfg["out"] = samples, out
+    cfg["samples"], cfg["out"], cfg["lengths"] = samples, out, [length]
+    if budgets is not None:
+        cfg["budgets"] = list(budgets)
+    if seed is not None:
+        cfg["seed"] = seed
     return cfg
+
+
+def estimate_minutes(train: bool, samples: int, length: int, budgets: int) -> float:
+    """Minutes on 2 idle cores, from the measured figures above (prefill cost ~ length^1.3)."""
+    per_sample = EVAL_MINUTES_PER_SAMPLE_4K_3_BUDGETS * (length / 4096) ** 1.3 * (1 + budgets) / 4
+    return (TRAIN_MINUTES if train else 0) + per_sample * samples
+
+
+def _budgets(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--budgets {text!r}: must be comma-separated fractions, e.g. 0.1,0.3") from None
+    if not values or any(not 0 < v <= 1 for v in values):
+        raise SystemExit(f"--budgets {text!r}: each budget must be a fraction in (0, 1]")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default="gemma3-270m-run", help="training run name under checkpoints/")
     p.add_argument("--samples", type=int, default=2, help="samples per task for the evaluation")
+    p.add_argument("--length", type=int, default=2048, help="context length in tokens (the headline: 4096)")
+    p.add_argument("--budgets", default="0.3", help="comma-separated budgets (the headline: 0.1,0.2,0.3)")
+    p.add_argument("--seed", type=int, help="evaluation seed (default: the config's report seed)")
     p.add_argument("--out", default="results/default-pipeline", help="evaluation output folder")
-    p.add_argument("--skip-train", action="store_true", help="evaluate the shipped adapters instead")
+    p.add_argument("--skip-train", action="store_true", help="evaluate the shipped adapter instead")
     p.add_argument("--resume", action="store_true",
                    help="keep the finished rows already in --out and run only the missing ones (without it, "
                         "the grid reruns and replaces its own rows in --out; other rows there are kept)")
     args = p.parse_args(argv)
     if args.samples < 1:
         raise SystemExit(f"--samples={args.samples}: must be >= 1")
-    if args.skip_train:
-        adapter, perlayer = SHIPPED, f"{SHIPPED}-perlayer"
-    else:
-        adapter, perlayer = f"checkpoints/{args.run}/final", f"checkpoints/{args.run}-perlayer/final"
-    eta = (0 if args.skip_train else TRAIN_MINUTES) + EVAL_MINUTES_PER_SAMPLE * args.samples
-    print(f"default pipeline: about {eta} minutes on 2 idle CPU cores "
-          f"({'no training' if args.skip_train else f'training ~{TRAIN_MINUTES} min'}, "
-          f"evaluation ~{EVAL_MINUTES_PER_SAMPLE} min per sample index x {args.samples}; "
-          f"up to 2-3x longer when other jobs share the cores)", flush=True)
+    if args.length < 256:
+        raise SystemExit(f"--length={args.length}: must be >= 256 tokens")
+    budgets = _budgets(args.budgets)
+    adapter = SHIPPED if args.skip_train else f"checkpoints/{args.run}/final"
+    eta = estimate_minutes(not args.skip_train, args.samples, args.length, len(budgets))
+    print(f"default pipeline: about {eta:.0f} minutes on 2 idle CPU cores "
+          f"({'no training' if args.skip_train else f'training ~{TRAIN_MINUTES} min'}, then "
+          f"{EVAL_CONFIG} with {args.samples} samples per task at {args.length} tokens, budgets "
+          f"{budgets}; up to 2-3x longer when other jobs share the cores)", flush=True)
     t0 = time.perf_counter()
     if not args.skip_train:
-        base = [sys.executable, "train.py", "--config", TRAIN_CONFIG, "resume=auto"]
-        run([[*base, f"output_dir=checkpoints/{args.run}"],
-             [*base, "target.cross_layer=per_layer", f"output_dir=checkpoints/{args.run}-perlayer",
-              "progress_bar=false"]])
-    for a in (adapter, perlayer):
-        if not any((ROOT / a / n).is_file() for n in (CONFIG_NAME, LEGACY_CONFIG_NAME)):
-            raise SystemExit(f"adapter {a}: no {CONFIG_NAME} (or format-1 {LEGACY_CONFIG_NAME}) there")
+        run([[sys.executable, "train.py", "--config", TRAIN_CONFIG, "resume=auto",
+              f"output_dir=checkpoints/{args.run}"]])
+    if not any((ROOT / adapter / n).is_file() for n in (CONFIG_NAME, LEGACY_CONFIG_NAME)):
+        raise SystemExit(f"adapter {adapter}: no {CONFIG_NAME} (or format-1 {LEGACY_CONFIG_NAME}) there")
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "pipeline-eval.yaml"
-    cfg_path.write_text(yaml.safe_dump(eval_config(adapter, perlayer, args.samples, args.out), sort_keys=False))
+    cfg = eval_config(adapter, args.samples, args.out, args.length, budgets, args.seed)
+    write_atomic(cfg_path, yaml.safe_dump(cfg, sort_keys=False))
     run([[sys.executable, "-m", "sparsekv.cli", "eval", "--config", str(cfg_path),
           "--resume" if args.resume else "--overwrite"]])
     print(f"done in {(time.perf_counter() - t0) / 60:.1f} min: table {args.out}/summary.md, "

@@ -95,19 +95,25 @@ def test_every_train_config_field_is_documented():
     assert not missing
 
 
-def test_default_pipeline_evaluates_the_adapters_it_trains():
-    """eval/run_default.py swaps the shipped adapters of learned-4k.yaml for the new ones."""
+def test_default_pipeline_evaluates_the_adapter_it_trains_on_the_generalize_grid():
+    """eval/run_default.py runs generalize-4k.yaml with the shipped head swapped for the new one,
+    every other method and setting as the headline grid has them."""
     from eval import run_default as mod
     from sparsekv.evaluation.config import EvalConfig
-    d = mod.eval_config("checkpoints/new/final", "checkpoints/new-perlayer/final", 3, "results/p")
+
+    d = mod.eval_config("checkpoints/new/final", 3, "results/p", length=2048, budgets=[0.3])
     cfg = EvalConfig.from_dict(d)
-    learned = [p for p in cfg.policy_specs if p.name.startswith("learned:")]
-    assert learned and cfg.samples == 3 and cfg.out == "results/p"
-    assert {p.name for p in learned} == {"learned:checkpoints/new/final", "learned:checkpoints/new-perlayer/final"}
-    assert {p.label for p in learned if p.name.endswith("perlayer/final")} == {
-        "learned, per-layer target", "learned, per-layer target, kernel 9"}
-    shipped = EvalConfig.from_yaml(ROOT / "configs" / "eval" / "learned-4k.yaml")
+    shipped = EvalConfig.from_yaml(ROOT / "configs" / "eval" / "generalize-4k.yaml")
+    assert cfg.samples == 3 and cfg.out == "results/p" and cfg.lengths == [2048] and cfg.budgets == [0.3]
+    assert cfg.seed == shipped.seed and cfg.tasks == shipped.tasks and cfg.protocols == shipped.protocols
     assert [p.label for p in shipped.policy_specs] == [p.label for p in cfg.policy_specs]
+    new = {p.name for p in cfg.policy_specs} - {p.name for p in shipped.policy_specs}
+    assert new == {"learned:checkpoints/new/final"}
+    assert [p.runs_under("agnostic") for p in cfg.policy_specs] == [
+        p.runs_under("agnostic") for p in shipped.policy_specs]
+    # the estimate printed first follows the size of the job
+    quick = mod.estimate_minutes(True, 2, 2048, 1)
+    assert quick <= 25 < mod.estimate_minutes(True, 30, 4096, 3)
 
 
 def test_learned_4k_sets_up_learned_and_every_ablation_under_both_protocols():
