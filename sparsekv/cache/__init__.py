@@ -30,7 +30,7 @@ With `prefill_chunk=N` a forward pre-hook on the model splits long prompts into 
 forwards, evicting after each, so peak KV memory is bounded by budget + chunk. The returned
 logits then cover the last chunk only.
 
-Files: `container` (`SparseKVCache`), `layer` (`EvictingLayer`, the dynamic layout), `static`
+Files: `container` (`SparseKVCache`), `shared` (what its layers share), `layer` (`EvictingLayer`, the dynamic layout), `static`
 and `slots` (the static layout), `int8` and `int8_attention` (INT8 storage and decode
 attention over it), `attention` (per-layer attention and masks), `hooks` (forward hooks),
 `schedules` (per-layer budgets), `state` (snapshot and restore of a cache's state).

@@ -24,8 +24,9 @@ from sparsekv.cache.hooks import (
     _note_inputs,
     _remove_hooks,
 )
-from sparsekv.cache.layer import _RECORDABLE, EvictingLayer, _Shared
+from sparsekv.cache.layer import _RECORDABLE, EvictingLayer
 from sparsekv.cache.schedules import layer_fractions
+from sparsekv.cache.shared import SharedState
 from sparsekv.cache.static import StaticEvictingLayer, finish_hook
 from sparsekv.config import EvictionConfig
 from sparsekv.models.families import attention_modules, model_shape, text_config
@@ -79,7 +80,7 @@ class SparseKVCache(Cache):
             )
         schedule = self.policy.schedule or config.schedule
         fractions = layer_fractions(config, len(budgeted), schedule)
-        self.shared = _Shared(config, self.policy, len(budgeted))
+        self.shared = SharedState(config, self.policy, len(budgeted))
         if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 1:
             raise ValueError(f"record_window={record_window!r} must be an int >= 1")
         self.shared.record, self.shared.record_window = tuple(record), record_window

@@ -10,7 +10,6 @@ the static layout (`sparsekv.cache.static`) is its subclass."""
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 from transformers.cache_utils import (
@@ -20,37 +19,12 @@ from transformers.cache_utils import (
 from sparsekv.cache import attention as attn
 from sparsekv.cache.int8 import dequantize, quantize
 from sparsekv.cache.schedules import layer_capacity
-from sparsekv.config import EvictionConfig
-from sparsekv.policies import Policy, ScoreContext
+from sparsekv.cache.shared import SharedState
+from sparsekv.policies import ScoreContext
 from sparsekv.policies.base import checked_scores
 
 _RECORDABLE = ("all", "window", "last")
 _PER_ENTRY = ("keys", "values", "key_scale", "value_scale", "positions", "scores", "observed")
-
-
-class _Shared:
-    """State common to all layers of one cache (no tensors of the model)."""
-
-    def __init__(self, config: EvictionConfig, policy: Policy, num_budgeted: int):
-        self.config = config
-        self.policy = policy
-        self.num_budgeted = num_budgeted
-        self.first_valid: torch.Tensor | None = None  # (batch,) index of the first real token
-        self.measure: Any = None  # callable returning the cache's current KV bytes
-        self.peak_bytes = 0
-        self.record: tuple[str, ...] = ()
-        self.record_window = 0
-        # attention inputs of the first budgeted layer for the tokens of the current step, for
-        # policies that score every budgeted layer from them (`Policy.hidden_from_first`)
-        self.first_hidden: torch.Tensor | None = None
-        # single-token steps are checked for padding while tokens_seen <= this (a prompt chunked
-        # one token at a time, where the mask is known); decode steps never are (no host sync)
-        self.padding_check_until = 0
-        self.model: Any = None  # weak reference to the model, handed to policies in ScoreContext
-        self.repeat: Any = None  # the active `repeat_pass` collector while a repeat forward runs
-        # token ids `(batch, new)` of the current forward, for policies that read them
-        # (`Policy.needs_input_ids`); None when the forward had none
-        self.input_ids: torch.Tensor | None = None
 
 
 class EvictingLayer(DynamicLayer):
@@ -59,7 +33,7 @@ class EvictingLayer(DynamicLayer):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, shared: _Shared, layer_idx: int, budget_rank: int, fraction: float):
+    def __init__(self, shared: SharedState, layer_idx: int, budget_rank: int, fraction: float):
         super().__init__()
         self.shared = shared
         self.layer_idx = layer_idx
