@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_model
 
+from sparsekv import EvictionConfig
 from sparsekv.scoring.adapter import ADAPTER_FILES, ScorerAdapter
+from sparsekv.serving import compressed
+from sparsekv.serving.compressed import CompressedContext, compress
+
+CFG = dict(budget=0.3, sink_tokens=2, recent_window=8, rerank_every=4, evict_slack=2)
 
 
 def _trained_like(adapter: ScorerAdapter, seed: int = 0) -> ScorerAdapter:
@@ -125,3 +131,105 @@ def test_a_foreign_file_inside_lora_is_refused(tmp_path):
     with pytest.raises(ValueError, match="lora/notes.txt"):
         ScorerAdapter.for_model(tiny_model("llama")).save_pretrained(folder)
     assert (folder / "lora" / "notes.txt").read_text() == "mine"
+
+
+# ---- 2. CompressedContext.save is atomic at every point -----------------------------------------
+def _ids(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (1, n), generator=g)
+
+
+class Killed(BaseException):
+    """A kill: raised at step k, and by every later file operation (no clean-up runs)."""
+
+
+def _kill_at(monkeypatch, k: int, exchange: bool) -> list[str]:
+    """Make the k-th file operation of a save (mkdir, safetensors write, fsync, rename,
+    exchange, rmtree) and every one after it raise `Killed`; returns the log of steps."""
+    import safetensors.torch
+
+    log: list[str] = []
+
+    def step(name, real):
+        def run(*args, **kwargs):
+            log.append(name)
+            if len(log) >= k:
+                raise Killed(f"killed at step {k} ({name})")
+            return real(*args, **kwargs)
+
+        return run
+
+    real_exchange = compressed._exchange
+    monkeypatch.setattr(os, "mkdir", step("mkdir", os.mkdir))
+    monkeypatch.setattr(safetensors.torch, "save_file", step("save_file", safetensors.torch.save_file))
+    monkeypatch.setattr(os, "fsync", step("fsync", os.fsync))
+    monkeypatch.setattr(os, "rename", step("rename", os.rename))
+    monkeypatch.setattr(os, "replace", step("replace", os.replace))
+    monkeypatch.setattr(shutil, "rmtree", step("rmtree", shutil.rmtree))
+    monkeypatch.setattr(
+        compressed, "_exchange", step("exchange", real_exchange if exchange else lambda a, b: False)
+    )
+    return log
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+@pytest.mark.parametrize("first", [False, True], ids=["over-old", "first-save"])
+def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_context(
+    tmp_path, monkeypatch, exchange, first
+):
+    model = tiny_model("llama")
+    old = compress(model, _ids(30, 1), EvictionConfig(**CFG), "snapkv")
+    new = compress(model, _ids(40, 2), EvictionConfig(**CFG), "snapkv")
+    if exchange and not compressed._exchange(tmp_path, tmp_path):  # swapping a folder with itself
+        pytest.skip("no renameat2(RENAME_EXCHANGE) here")
+    k, steps = 0, None
+    while True:
+        k += 1
+        path = tmp_path / f"k{k}" / "c"
+        path.parent.mkdir()
+        if not first:
+            old.save(path)
+        log = _kill_at(monkeypatch, k, exchange)
+        try:
+            new.save(path)
+            done = True
+        except Killed:
+            done = False
+        monkeypatch.undo()
+        compressed._IN_PROGRESS.clear()  # the killed process is gone
+        steps = log
+        try:
+            loaded = CompressedContext.load(path, model)
+        except FileNotFoundError:
+            assert first and not done  # nothing was saved yet: no file, nothing lost
+            loaded = None
+        if loaded is not None:
+            n = loaded.num_tokens
+            assert n in ((40,) if first or done else (30, 40)), f"step {k}: {n} tokens"
+            want = new if n == 40 else old
+            assert torch.equal(loaded.context_ids, want.context_ids)
+        # the load recovered and cleaned what the kill left
+        assert sorted(p.name for p in path.parent.iterdir()) == (["c"] if loaded else []), k
+        new.save(path)  # and the next save works
+        assert sorted(p.name for p in path.parent.iterdir()) == ["c"]
+        assert CompressedContext.load(path, model).num_tokens == 40
+        if done:
+            break
+    assert k > 4 and steps.count("rename") == (1 if first else 0 if exchange else 2), steps
+
+
+def test_the_next_save_moves_back_an_old_folder_a_kill_left_aside(tmp_path):
+    """What the previous version left after a kill between its two renames: nothing at the
+    path, the old context in `.c.old-PID`, a temporary folder `.c.tmp-PID`."""
+    model = tiny_model("llama")
+    old = compress(model, _ids(30, 1), EvictionConfig(**CFG), "snapkv")
+    path = old.save(tmp_path / "c")
+    os.rename(path, tmp_path / ".c.old-999999999")
+    (tmp_path / ".c.tmp-999999999").mkdir()
+    (tmp_path / ".c.tmp-999999999" / "context.json").write_text("{")
+    assert CompressedContext.load(path, model).num_tokens == 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    os.rename(path, tmp_path / ".c.old-999999999")
+    compress(model, _ids(40, 2), EvictionConfig(**CFG), "snapkv").save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert CompressedContext.load(path, model).num_tokens == 40

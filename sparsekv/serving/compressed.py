@@ -33,9 +33,12 @@ state live in `sparsekv.cache.state`, the cache's own rules (what is kept, posit
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -175,6 +178,98 @@ def _as_ids(ids: Any, name: str, device: torch.device) -> torch.Tensor:
     return t.to(device, torch.long)
 
 
+# ---------------------------------------------------------------------- atomic folders
+
+_IN_PROGRESS: set[str] = set()
+"""Names of the temporary and aside folders of this process's saves now running."""
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file or a folder (best effort for folders: some platforms cannot open them)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if path.is_dir():
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the folders `a` and `b` in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`);
+    False when this system or file system cannot (the caller then renames twice)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}")
+
+
+def _leftover(name: str, base: str) -> str | None:
+    """"tmp" or "old" when `name` is a temporary or aside folder of a save of `base` whose
+    process is gone (or, in this process, is no longer running); else None."""
+    for kind in ("tmp", "old"):
+        prefix = f".{base}.{kind}-"
+        if name.startswith(prefix):
+            pid = name[len(prefix) :].split("-", 1)[0]
+            if not pid.isdigit() or name in _IN_PROGRESS:
+                return None
+            if int(pid) != os.getpid() and _alive(int(pid)):
+                return None
+            return kind
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def recover(path: str | os.PathLike) -> None:
+    """Undo what a killed `save` of the context folder `path` left beside it: when `path` is
+    missing and the old folder is aside (`.NAME.old-PID-...`, a kill between the two renames),
+    it is moved back; the temporary and aside folders of saves whose process is gone are then
+    removed. `save` and `load` call it; saves still running are left alone."""
+    final = Path(path).expanduser()
+    parent = final.parent
+    if not parent.is_dir():
+        return
+    found = {"tmp": [], "old": []}
+    for p in parent.iterdir():
+        kind = _leftover(p.name, final.name)
+        if kind is not None and p.is_dir() and not p.is_symlink():
+            found[kind].append(p)
+    if not final.exists():
+        complete = [
+            p for p in found["old"] if (p / META_FILE).is_file() and (p / TENSORS_FILE).is_file()
+        ]
+        if complete:
+            back = max(complete, key=lambda p: p.stat().st_mtime)
+            os.rename(back, final)
+            _fsync(parent)
+            found["old"].remove(back)
+    for p in found["tmp"] + found["old"]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
 class CompressedContext:
     """A context compressed once through a `SparseKVCache`; `generate` answers questions from
     copies of it. Build it with `compress` or `CompressedContext.load`."""
@@ -225,7 +320,9 @@ class CompressedContext:
     def cache(self) -> SparseKVCache:
         """A fresh `SparseKVCache` holding a copy of the compressed context: pass it as `cache=`
         with `input_ids` = context + new tokens (`generate` does this). Close it when done."""
-        return restore(self.model, self.config, self.policy, self._tensors, self._meta, self._dtype)
+        return restore(
+            SparseKVCache(self.model, self.config, self.policy), self._tensors, self._meta, self._dtype
+        )
 
     # ---- asking -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -263,10 +360,16 @@ class CompressedContext:
     # ---- persistence --------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
         """Write the context into folder `path` (`context.safetensors` + `context.json`),
-        atomically: a complete folder or the previous one, never half of each."""
+        atomically: a complete folder or the previous one, never half of each. The files are
+        written and fsynced into a temporary sibling, which takes the old folder's place in one
+        atomic exchange (Linux `renameat2`; elsewhere two renames, the old folder kept aside
+        as `.NAME.old-PID-...` between them). A save or load after a killed save puts that old
+        folder back and removes the temporary folders of saves whose process is gone
+        (`recover`)."""
         from safetensors.torch import save_file
 
         final = Path(path).expanduser()
+        recover(final)  # what a killed save left: the old folder back at `final`, temporaries gone
         if final.exists() and not (final / META_FILE).is_file():
             raise ValueError(
                 f"path={str(final)!r} exists and is not a saved compressed context; "
@@ -285,19 +388,35 @@ class CompressedContext:
         }
         tensors = {k: v.detach().cpu().contiguous() for k, v in self._tensors.items()}
         tensors["context_ids"] = self.context_ids.cpu().contiguous()
-        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+        _IN_PROGRESS.add(tmp.name)
         try:
+            os.chmod(tmp, 0o755)
             save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "sparsekv-context"})
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-            old = final.parent / f".{final.name}.old-{os.getpid()}"
-            if final.exists():
-                os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            for name in (TENSORS_FILE, META_FILE):
+                _fsync(tmp / name)
+            _fsync(tmp)
+            if not final.exists():
+                os.rename(tmp, final)  # atomic: no folder, then the complete one
+            elif not _exchange(tmp, final):
+                # no atomic exchange here: `final` moves aside to `.NAME.old-PID-...` for the
+                # instant between the two renames; `recover` moves it back after a kill
+                suffix = tmp.name.rsplit("-", 1)[-1]
+                old = final.parent / f".{final.name}.old-{os.getpid()}-{suffix}"
+                _IN_PROGRESS.add(old.name)
+                try:
+                    os.rename(final, old)
+                    os.rename(tmp, final)
+                    _fsync(final.parent)
+                    shutil.rmtree(old, ignore_errors=True)
+                finally:
+                    _IN_PROGRESS.discard(old.name)
+            _fsync(final.parent)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # after an exchange it holds the old context
+            _IN_PROGRESS.discard(tmp.name)
         return final
 
     @classmethod
@@ -309,6 +428,7 @@ class CompressedContext:
         from safetensors.torch import load_file
 
         folder = Path(path).expanduser()
+        recover(folder)
         meta_path, tensors_path = folder / META_FILE, folder / TENSORS_FILE
         if not meta_path.is_file() or not tensors_path.is_file():
             raise FileNotFoundError(
