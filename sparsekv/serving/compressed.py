@@ -428,7 +428,10 @@ class CompressedContext:
         from safetensors.torch import load_file
 
         folder = Path(path).expanduser()
-        recover(folder)
+        try:
+            recover(folder)  # what a killed save left (a read-only folder is read as it is)
+        except OSError:
+            pass
         meta_path, tensors_path = folder / META_FILE, folder / TENSORS_FILE
         if not meta_path.is_file() or not tensors_path.is_file():
             raise FileNotFoundError(
