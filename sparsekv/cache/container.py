@@ -17,6 +17,7 @@ from transformers.cache_utils import (
 )
 
 from sparsekv.cache import attention as attn
+from sparsekv.cache import state
 from sparsekv.cache.hooks import (
     _after_forward,
     _capture_hidden,
@@ -176,6 +177,18 @@ class SparseKVCache(Cache):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __deepcopy__(self, memo: dict) -> SparseKVCache:
+        """A new cache on the same model and policy holding copies of this cache's kept entries
+        and counters (transformers' prompt-reuse recipe: prefill once, `copy.deepcopy(cache)`
+        per continuation). The model is shared, never copied."""
+        if self.shared.record:
+            raise ValueError(
+                "a cache built with record=... is for fork(); copy.deepcopy the caches fork() returns"
+            )
+        tensors, meta = state.snapshot(self)
+        new = SparseKVCache(self.model, self.config, self.policy)
+        return state.restore(new, tensors, meta, state.model_dtype(self.model))
 
     def __repr__(self) -> str:
         return f"SparseKVCache(policy={self.policy!r}, config={self.config}, budgeted_layers={self.budgeted_layers})"

@@ -10,8 +10,8 @@ and writes to disk.
 `evicted`, `has_padding`; other layers (transformers' own, sliding windows): keys and values,
 and `cumulative_length` when they have one. `first_valid` `(batch,)` when the cache saw padding.
 
-`restore(model, config, policy, tensors, meta, dtype)` builds a new cache on `model` holding
-copies of those tensors (never sharing them), so the copy may evict and grow freely.
+`restore(cache, tensors, meta, dtype)` fills a new, empty cache (built by the caller on the same
+model) with copies of those tensors (never sharing them), so the copy may evict and grow freely.
 `model_fingerprint(model)` tells two models of the same shape apart (a saved cache's keys and
 values belong to one). It reads the cache's layers; what they keep and why stays in
 `sparsekv.cache`.
@@ -20,15 +20,15 @@ values belong to one). It reads the cache's layers; what they keep and why stays
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sparsekv.cache import EvictingLayer, SparseKVCache
-from sparsekv.cache.layer import _PER_ENTRY
-from sparsekv.config import EvictionConfig
+from sparsekv.cache.layer import _PER_ENTRY, EvictingLayer
 from sparsekv.models.families import attention_modules, model_shape
-from sparsekv.policies import Policy
+
+if TYPE_CHECKING:  # the container imports this module (copy.deepcopy of a cache)
+    from sparsekv.cache.container import SparseKVCache
 
 __all__ = ["model_dtype", "model_fingerprint", "restore", "snapshot"]
 
@@ -95,16 +95,15 @@ def snapshot(cache: SparseKVCache) -> tuple[dict[str, torch.Tensor], dict[str, A
 
 
 def restore(
-    model,
-    config: EvictionConfig,
-    policy: Policy,
+    cache: SparseKVCache,
     tensors: dict[str, torch.Tensor],
     meta: dict[str, Any],
     dtype: torch.dtype,
 ) -> SparseKVCache:
-    """A new `SparseKVCache` on `model` holding copies of a `snapshot`'s state (the snapshot is
-    never shared with it, so the new cache may evict and grow freely)."""
-    cache = SparseKVCache(model, config, policy)
+    """`cache` (new and empty, built on the model the snapshot came from) filled with copies of a
+    `snapshot`'s state (the snapshot is never shared with it, so the cache may evict and grow
+    freely); returns it."""
+    model = cache.model
     if len(meta["layers"]) != len(cache.layers):
         raise ValueError(
             f"the context has {len(meta['layers'])} cache layers but the model has "

@@ -83,6 +83,12 @@ class Attachment:
     policy: Any  # Policy
     last_cache: Any = None  # the SparseKVCache of the most recent generate call (closed)
 
+    def __repr__(self) -> str:  # the model's repr is its whole module tree: name it instead
+        return (
+            f"Attachment(model={type(self.model).__name__}, config={self.config!r}, "
+            f"policy={self.policy!r}, last_cache={'set' if self.last_cache is not None else None})"
+        )
+
 
 class ScorerAdapter(TrainedScorer):
     """A `GatingHead` (`.head`), its `AdapterConfig` (`.config`) and optionally a LoRA of the base
