@@ -63,3 +63,17 @@ def test_attach_yields_an_object_that_prints_briefly():
         text = repr(att)
     assert "Attachment(" in text and "budget=0.3" in text and "LearnedPolicy(" in text
     assert "LlamaForCausalLM" in text and "Linear(" not in text and len(text) < 600
+
+
+def test_eval_takes_the_hub_model_ids_that_train_and_adapters_take():
+    from sparsekv.evaluation.config import EvalConfig
+    from sparsekv.evaluation.running.models import load_model, validate_model_spec
+
+    validate_model_spec("some-org/some-model")  # a Hub id, as train.py's `model:` takes
+    cfg = EvalConfig(model="some-org/some-model", tasks=["passkey"], lengths=[256], samples=1,
+                     policies=["streaming"], budgets=[0.5])
+    assert cfg.model == "some-org/some-model"
+    with pytest.raises(ValueError, match="some-org/no-such-model"):  # offline: named, no traceback
+        load_model("some-org/no-such-model")
+    with pytest.raises(ValueError, match="model"):
+        validate_model_spec("")
