@@ -9,6 +9,8 @@ config records them too, and the adapter format must not import the policies (no
 
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -118,11 +120,68 @@ def _check_span_peaks(span_peaks: Any) -> float:
     return float(span_peaks)
 
 
+TOKENS_SUFFIX = "tok"
+"""The explicit spelling of a token-count budget: "512tok" (or "512tokens", "512 tok")."""
+TOKENS_PATTERN = re.compile(r"(\d+)\s*(?:tok|tokens)", re.IGNORECASE)
+
+
+class Tokens(int):
+    """A budget given as a token count on purpose: `Tokens(1)` keeps one token per layer, where
+    a plain `1` is refused (ambiguous beside `1.0`, the whole context). It is the int it holds
+    (arithmetic, JSON, formatting); `check_budget` makes one of "1tok"."""
+
+    def __new__(cls, n: Any) -> Tokens:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Tokens({n!r}): a token count is an int >= 1")
+        return super().__new__(cls, n)
+
+
+def check_budget(b: Any) -> float | int:
+    """A budget checked by the one rule the API (`EvictionConfig.budget`) and the command line
+    (`sparsekv eval --budget`) share: a float in (0, 1] is a fraction of the tokens seen; an int
+    >= 2 is a token count; `Tokens(n)` or the string "Ntok" is a token count n >= 1 (the only
+    spelling of one token); `1` (an int), floats outside (0, 1] and bools are refused. Returns
+    the float, the int, or a `Tokens`."""
+    if isinstance(b, str):
+        m = TOKENS_PATTERN.fullmatch(b.strip())
+        if m is None:
+            raise ValueError(
+                f"budget={b!r} must be a float in (0, 1], an int >= 2, or a token count spelled "
+                f'"N{TOKENS_SUFFIX}" such as "512{TOKENS_SUFFIX}"'
+            )
+        if int(m.group(1)) < 1:
+            raise ValueError(f"budget={b!r}: a token budget is a count >= 1")
+        return Tokens(int(m.group(1)))
+    if isinstance(b, bool) or not isinstance(b, (int, float)):
+        raise ValueError(f"budget={b!r} must be a float in (0, 1] or an int >= 1")
+    if isinstance(b, float) and not (0.0 < b <= 1.0):
+        raise ValueError(
+            f"budget={b!r}: a float budget is a fraction in (0, 1]; use an int for a token "
+            "count"
+        )
+    if isinstance(b, int) and b < 1:
+        raise ValueError(f"budget={b!r}: an int budget is a token count >= 1")
+    if isinstance(b, int) and b == 1 and not isinstance(b, Tokens):
+        raise ValueError(
+            f"budget={b!r} is ambiguous: an int budget is a token count, so it would keep one "
+            "token per layer, while 1.0 keeps the whole context. Write budget=1.0 to keep "
+            f'everything, or budget="1{TOKENS_SUFFIX}" (sparsekv.config.Tokens(1)) for one '
+            "token per layer"
+        )
+    return b
+
+
 @dataclass
 class EvictionConfig:
     budget: float | int
-    """Per budgeted layer: a float in (0, 1] keeps that fraction of the tokens seen; an int >= 1
-    keeps that many tokens. The schedule spreads it across layers."""
+    """Per budgeted layer: a float in (0, 1] keeps that fraction of the tokens seen (`1.0` =
+    the whole context, nothing evicted); an int >= 2 keeps that many tokens. The schedule spreads
+    it across layers. `1` (an int) is refused as ambiguous beside `1.0`: a one-token budget is
+    spelled `budget="1tok"` or `budget=Tokens(1)` (any count may be: "512tok" is 512). A float
+    above 1 (`2.0`) is refused, not read as a count; a bool is refused. The command line
+    (`sparsekv eval --budget`) follows the same rule (`check_budget`). Every layer keeps at
+    least `sink_tokens + recent_window` entries: a token budget below that is raised to it, with
+    a warning."""
     schedule: str | list[float] = "uniform"
     """"uniform" (every budgeted layer keeps `budget`), "pyramid" (shallow layers keep more, deep
     layers less, same total; see `pyramid_slope`) or an explicit list of per-layer fractions, one
@@ -161,16 +220,7 @@ class EvictionConfig:
     max(prefill_chunk or 0, evict_slack + 1)."""
 
     def __post_init__(self) -> None:
-        b = self.budget
-        if isinstance(b, bool) or not isinstance(b, (int, float)):
-            raise ValueError(f"budget={b!r} must be a float in (0, 1] or an int >= 1")
-        if isinstance(b, float) and not (0.0 < b <= 1.0):
-            raise ValueError(
-                f"budget={b!r}: a float budget is a fraction in (0, 1]; use an int for a token "
-                "count"
-            )
-        if isinstance(b, int) and b < 1:
-            raise ValueError(f"budget={b!r}: an int budget is a token count >= 1")
+        self.budget = check_budget(self.budget)
         s = self.schedule
         if isinstance(s, (list, tuple)):
             if not s or not all(_is_number(x) and 0.0 < float(x) <= 1.0 for x in s):
@@ -201,6 +251,33 @@ class EvictionConfig:
                 f"quantize={self.quantize!r} is not supported; allowed values: None, 'int8'"
             )
         self._check_layout()
+        self._warn_floor()
+
+    def _warn_floor(self) -> None:
+        """Warn when a token budget is below the entries every layer keeps (sinks + recent
+        window), which then win (`SparseKVCache` keeps at least them)."""
+        floor = self.sink_tokens + self.recent_window
+        if isinstance(self.budget, float) or not floor:
+            return
+        s = self.schedule
+        weight, who = 1.0, None
+        if isinstance(s, list):
+            weight, who = min(s), "the schedule's smallest layer share"
+        elif s == "pyramid":
+            weight, who = 1.0 - self.pyramid_slope, "the pyramid's last layer"
+        smallest = max(1, round(self.budget * weight))
+        if smallest < floor:
+            what = f"budget={int(self.budget)} tokens" + (
+                f" gives {who} {smallest} tokens, which" if who else ""
+            )
+            warnings.warn(
+                f"{what} is below sink_tokens + recent_window = {self.sink_tokens} + "
+                f"{self.recent_window} = {floor}, the entries every budgeted layer keeps: the "
+                f"budget is raised to {floor} there; lower sink_tokens / recent_window to keep "
+                "fewer",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _check_layout(self) -> None:
         if self.layout not in LAYOUTS:
@@ -232,4 +309,6 @@ class EvictionConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvictionConfig:
+        if isinstance(d, dict) and type(d.get("budget")) is int and d["budget"] == 1:
+            d = {**d, "budget": Tokens(1)}  # a written config (`to_dict`) writes Tokens(1) as 1
         return from_fields(cls, d)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -233,3 +234,84 @@ def test_the_next_save_moves_back_an_old_folder_a_kill_left_aside(tmp_path):
     compress(model, _ids(40, 2), EvictionConfig(**CFG), "snapkv").save(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
     assert CompressedContext.load(path, model).num_tokens == 40
+
+
+# ---- 5. budgets: one rule for the API and the CLI, no int/float trap ----------------------------
+def test_int_1_is_refused_as_ambiguous_and_1tok_keeps_one_token(tmp_path):
+    from sparsekv import SparseKVCache
+    from sparsekv.config import Tokens
+
+    with pytest.raises(ValueError) as e:
+        EvictionConfig(budget=1)
+    assert "ambiguous" in str(e.value) and "budget=1.0" in str(e.value) and '"1tok"' in str(e.value)
+    for b in (True, False):
+        with pytest.raises(ValueError, match="must be a float in"):
+            EvictionConfig(budget=b)
+    for b in ("0.3", "1", "tok", "0tok", "-2tok"):
+        with pytest.raises(ValueError, match="budget="):
+            EvictionConfig(budget=b)
+    one = EvictionConfig(budget="1tok", sink_tokens=0, recent_window=0)
+    assert one.budget == 1 and isinstance(one.budget, Tokens)
+    assert EvictionConfig(budget=Tokens(1), sink_tokens=0, recent_window=0) == one
+    assert EvictionConfig(budget="512 tokens").budget == 512
+    assert EvictionConfig.from_dict(json.loads(json.dumps(one.to_dict()))) == one  # written as 1
+    model = tiny_model("llama")
+    ids = _ids(24, 3)
+    for budget, kept in (("1tok", 1), (1.0, 24), (2, 2)):
+        cfg = EvictionConfig(budget=budget, sink_tokens=0, recent_window=0)
+        with SparseKVCache(model, cfg, "snapkv") as cache:
+            model(input_ids=ids, cache=cache, use_cache=True)
+            assert set(cache.layer_lengths()) == {kept}, budget
+    ctx = compress(model, ids, EvictionConfig(budget="1tok", sink_tokens=0, recent_window=0))
+    loaded = CompressedContext.load(ctx.save(tmp_path / "one"), model)  # context.json says 1
+    assert loaded.kept() == [1] * 4 and loaded.config == ctx.config
+
+
+def test_a_token_budget_below_sinks_and_window_warns():
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"sink_tokens \+ recent_window = 4 \+ 64 = 68") as w:
+        EvictionConfig(budget=16)
+    assert "raised to 68" in str(w[0].message) and w[0].filename == __file__
+    with pytest.warns(UserWarning, match="the pyramid's last layer 50 tokens"):
+        EvictionConfig(budget=100, schedule="pyramid")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EvictionConfig(budget=100)
+        EvictionConfig(budget=16, sink_tokens=4, recent_window=8)
+        EvictionConfig(budget=0.01)  # a fraction: its token count depends on the context
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [("0.3", 0.3), ("1.0", 1.0), ("512", 512), ("1tok", 1), ("64tok", 64)],
+)
+def test_cli_budgets_follow_the_api_rule(text, want):
+    from sparsekv.config import Tokens
+    from sparsekv.evaluation.config import EvalConfig, parse_budget
+
+    got = parse_budget(text)
+    assert got == want and type(got) is type(EvictionConfig(budget=got, sink_tokens=0, recent_window=0).budget)
+    assert isinstance(got, Tokens) == text.endswith("tok")
+    assert EvalConfig(budgets=text).budgets == [want]
+
+
+@pytest.mark.parametrize(
+    "text, api, message",
+    [
+        ("2.0", 2.0, "a float budget is a fraction in (0, 1]"),
+        ("1", 1, "is ambiguous"),
+        ("0", 0, "an int budget is a token count >= 1"),
+    ],
+)
+def test_cli_refuses_what_the_api_refuses(text, api, message, tmp_path, capsys):
+    from sparsekv.cli import main
+    from sparsekv.evaluation.config import parse_budget
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EvictionConfig(budget=api)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_budget(text)
+    assert main(["eval", "--model", "tiny:llama", "--out", str(tmp_path / "x"), "--budget", text]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -42,7 +42,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                    help="a trained scorer folder or Hub id; shortcut for --policy learned:DIR. Without "
                         f"--policy it is compared with every baseline ({', '.join(BASELINES)})")
     p.add_argument("--budget", "--budgets", dest="budgets",
-                   help="comma-separated budgets: fractions in (0, 1] or token counts >= 1")
+                   help="comma-separated budgets, as in the API (EvictionConfig.budget): fractions "
+                        "in (0, 1] (1.0 = the whole context), token counts >= 2, or counts spelled "
+                        "Ntok such as 1tok or 512tok (a bare 1 and floats above 1 are refused)")
     p.add_argument("--tasks", "--task", dest="tasks", help="comma-separated task names (see --list)")
     p.add_argument("--lengths", "--length", dest="lengths", help="comma-separated prompt lengths in tokens")
     p.add_argument("--protocol", "--protocols", dest="protocols", help="agnostic, aware or agnostic,aware")

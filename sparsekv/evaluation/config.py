@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from sparsekv.config import EvictionConfig
+from sparsekv.config import TOKENS_PATTERN, EvictionConfig, check_budget
 from sparsekv.configfile import read_yaml_mapping
 from sparsekv.evaluation.tasks import PROTOCOLS, TASKS, get_task
 
@@ -159,20 +159,23 @@ def _split(value: Any, what: str = "list") -> list:
 
 
 def parse_budget(v: Any) -> float | int:
-    """'0.3' -> 0.3 (fraction), '512' -> 512 (tokens per layer); validated by EvictionConfig."""
+    """'0.3' -> 0.3 (fraction), '512' -> 512 (tokens per layer), '1tok' -> `Tokens(1)`: the rule
+    of the API (`sparsekv.config.check_budget`), so '2.0' is refused as it is there (a float is a
+    fraction) and '1' as ambiguous (write 1.0 for the whole context, 1tok for one token)."""
     if isinstance(v, str):
         s = v.strip()
-        try:
-            v = int(s) if s.isdigit() else float(s)
-        except ValueError:
-            raise ValueError(f"budget {s!r} is not a number; use fractions in (0, 1] or token counts >= 1") from None
-    if isinstance(v, float) and v.is_integer() and v > 1:
-        v = int(v)
+        if not TOKENS_PATTERN.fullmatch(s):
+            try:
+                v = int(s) if s.isdigit() else float(s)
+            except ValueError:
+                raise ValueError(
+                    f"budget {s!r} is not a number; use fractions in (0, 1], token counts >= 2 "
+                    "or token counts spelled like 512tok"
+                ) from None
     try:
-        EvictionConfig(budget=v)
+        return check_budget(v)
     except ValueError as e:
         raise ValueError(f"bad budget: {e}") from None
-    return v
 
 
 @dataclass
