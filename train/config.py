@@ -88,7 +88,11 @@ class TrainConfig:
     # ------------------------------------------------------------------ data
     dataset: str = DEFAULT_DATASET
     """Local .jsonl/.json/.parquet file or folder, a saved `datasets` folder, or a `datasets`
-    Hub name. A missing local .jsonl is built with data/build.py (see `build`)."""
+    Hub name. A missing local .jsonl is built with data/build.py (see `build`). `store:PATH`
+    trains from a teacher store (sparsekv.teacher.store, docs/teacher-store.md): its sequences,
+    hidden states and teacher statistics are read from disk and the base model is never run; the
+    store must match the model, `seq_len`, `layers` and the target's statistic settings (a
+    difference is refused by name)."""
     dataset_config: str | None = None
     """Config name passed to datasets.load_dataset for Hub datasets."""
     dataset_split: str = "train"
@@ -189,6 +193,19 @@ class TrainConfig:
             raise ValueError(
                 f"layers={self.layers!r} must be null or a non-empty list of ints >= 0"
             )
+        if self.dataset.startswith("store:"):
+            if not self.dataset[len("store:"):]:
+                raise ValueError("dataset='store:' needs a folder: dataset=store:PATH")
+            if self.teacher_cache is not None:
+                raise ValueError(
+                    "teacher_cache is for datasets of text; a store:PATH dataset already holds "
+                    "the teacher's results: leave teacher_cache null"
+                )
+            if self.lora:
+                raise ValueError(
+                    "lora: the LoRA co-adaptation reads text; a store:PATH dataset holds token "
+                    "blocks only: train the LoRA with lora.adapter=DIR and a text dataset"
+                )
         if self.push_to_hub is not None and self.push_to_hub.count("/") != 1:
             raise ValueError(f"push_to_hub={self.push_to_hub!r} must be a repo id 'user/name'")
         self._check_nested()

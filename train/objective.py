@@ -44,10 +44,16 @@ class Objective:
     repeat_prompt_ids: list[int] | None = None
     """Tokens of sparsekv.policies.reconstruction.REPEAT_PROMPT (reconstruction signals only)."""
     cache: Any = None  # train.targets.TargetCache | None
+    store: Any = None
+    """sparsekv.teacher.store.TeacherStore | None: targets and hidden states read from it (the
+    model is not run)."""
 
     def __post_init__(self) -> None:
         from train.targets import TeacherTargets
 
+        if self.store is not None:
+            self.teacher = self.store.teacher(self.target, self.layers)
+            return
         self.teacher = TeacherTargets(
             self.target, self.layers, self.block_size, self.repeat_prompt_ids, self.cache
         )
@@ -103,7 +109,36 @@ def build_objective(
             repeat_prompt_ids=prompt,
             model=model_identity(model, base_id),
         )
-    return Objective(target, cfg.loss_config(), list(layers), cfg.teacher_block_size, prompt, cache)
+    store = _checked_store(cfg, model, base_id, layers, target, prompt)
+    return Objective(
+        target, cfg.loss_config(), list(layers), cfg.teacher_block_size, prompt, cache, store
+    )
+
+
+def _checked_store(cfg: TrainConfig, model: nn.Module, base_id: str, layers, target, prompt):
+    """The run's teacher store (`dataset: store:PATH`), refused by name (`RunError`) when it was
+    built for another model, length, layers or statistic settings; None without one."""
+    from sparsekv.models.families import model_shape
+    from sparsekv.teacher.store import StoreError, model_identity, needed_settings
+    from train.run import RunError, open_store
+
+    store = open_store(cfg)
+    if store is None:
+        return None
+    need = needed_settings(target, list(layers), model_shape(model).layer_types)
+    if target.kind == "kvzip_plus" or target.signal != "questions":
+        need["repeat_prompt_ids"] = prompt
+    wanted = {
+        "model": model_identity(model, base_id),
+        "length": cfg.seq_len,
+        "layers": list(layers),
+        "target": need,
+    }
+    try:
+        store.check(wanted, what=f"this run (model={cfg.model!r})")
+    except StoreError as e:
+        raise RunError(f"dataset={cfg.dataset!r}: {e}") from None
+    return store
 
 
 def count_parameters(module: nn.Module, trainable: bool | None = None) -> int:

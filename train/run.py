@@ -75,8 +75,36 @@ def check_resume_model(cfg: TrainConfig) -> None:
         )
 
 
+def open_store(cfg: TrainConfig):
+    """The teacher store of a `dataset: store:PATH` run, or None; a store of sequences of
+    another length than `seq_len` is a `RunError`."""
+    from sparsekv.teacher.store import StoreError, TeacherStore, store_dataset_path
+
+    path = store_dataset_path(cfg.dataset)
+    if path is None:
+        return None
+    try:
+        store = TeacherStore(path)
+    except StoreError as e:
+        raise RunError(f"dataset={cfg.dataset!r}: {e}") from None
+    if store.spec.length != cfg.seq_len:
+        raise RunError(
+            f"dataset={cfg.dataset!r} holds sequences of {store.spec.length} tokens but "
+            f"seq_len={cfg.seq_len}; set seq_len={store.spec.length}"
+        )
+    if not store.complete:
+        raise RunError(f"dataset={cfg.dataset!r}: the store holds no complete shard yet")
+    return store
+
+
 def build_data(cfg: TrainConfig, tokenizer, acc) -> BlockDataset:
-    """Token blocks of the configured dataset (built once by the main process if missing)."""
+    """Token blocks of the configured dataset (built once by the main process if missing), or
+    the complete rows of a `store:PATH` dataset in their build order."""
+    store = open_store(cfg)
+    if store is not None:
+        ids, mask = store.token_blocks()
+        ids, mask = select_samples(ids, mask, cfg.max_samples, cfg.seed)
+        return BlockDataset(ids, mask, cfg.seed)
 
     def build(path: Path) -> None:
         from data.build import build_file
