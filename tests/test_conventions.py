@@ -77,3 +77,25 @@ def test_eval_takes_the_hub_model_ids_that_train_and_adapters_take():
         load_model("some-org/no-such-model")
     with pytest.raises(ValueError, match="model"):
         validate_model_spec("")
+
+
+@pytest.mark.integration
+def test_one_call_pipeline_answers_like_compress_text(default_model):
+    """`pipeline("sparsekv-text-generation")` is compress_text + ask(_many) in one call."""
+    import sparsekv
+    from sparsekv.serving import pipeline as sk_pipeline  # registers the task
+    from transformers import pipeline
+
+    model, tok = default_model
+    pipe = pipeline(sk_pipeline.TASK, model=model, tokenizer=tok)
+    context = "The pass key is 41729. Remember it. " + "The grass is green. The sky is blue. " * 30
+    q = "\nQuestion: What is the pass key?\nAnswer: The pass key is"
+    want = sparsekv.compress_text(model, tok, context, sparsekv.EvictionConfig(budget=0.5), "snapkv")
+    got = pipe(context, question=q, policy="snapkv", budget=0.5, max_new_tokens=6)
+    assert got == {"answer": want.ask(q, max_new_tokens=6)}
+    many = pipe(context, questions=[q, q], policy="streaming", budget=0.5, max_new_tokens=4)
+    assert len(many["answers"]) == 2 and many["answers"][0] == many["answers"][1]
+    with pytest.raises(ValueError, match="num_beams"):
+        pipe(context, question=q, num_beams=2)
+    with pytest.raises(ValueError, match="question"):
+        pipe(context)
