@@ -315,3 +315,19 @@ def test_cli_refuses_what_the_api_refuses(text, api, message, tmp_path, capsys):
     assert main(["eval", "--model", "tiny:llama", "--out", str(tmp_path / "x"), "--budget", text]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_an_explicit_token_budget_survives_config_yaml(tmp_path):
+    import yaml
+
+    from sparsekv.config import Tokens
+    from sparsekv.evaluation.config import EvalConfig
+    from sparsekv.evaluation.rows.folder import read_config, write_config
+
+    cfg = EvalConfig(budgets="0.3,1tok,128", policies="snapkv@budgets=1tok+0.5", out=str(tmp_path))
+    write_config(tmp_path, cfg)
+    back = read_config(tmp_path)
+    again = EvalConfig.from_dict({k: v for k, v in back.items() if k != "policy_specs"})
+    assert again.budgets == [0.3, 1, 128] and isinstance(again.budgets[1], Tokens)
+    assert again.policy_specs[0].budgets == (1, 0.5) and isinstance(again.policy_specs[0].budgets[0], Tokens)
+    assert yaml.safe_load(yaml.safe_dump(cfg.to_dict()))["budgets"] == [0.3, "1tok", 128]

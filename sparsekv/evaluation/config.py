@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from sparsekv.config import TOKENS_PATTERN, EvictionConfig, check_budget
+from sparsekv.config import TOKENS_PATTERN, TOKENS_SUFFIX, EvictionConfig, Tokens, check_budget
 from sparsekv.configfile import read_yaml_mapping
 from sparsekv.evaluation.tasks import PROTOCOLS, TASKS, get_task
 
@@ -65,7 +65,10 @@ class PolicySpec:
         return self.protocols is None or protocol in self.protocols
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["budgets"] is not None:
+            d["budgets"] = tuple(budget_text(b) for b in d["budgets"])
+        return d
 
 
 def _scalar(text: str) -> Any:
@@ -156,6 +159,12 @@ def _split(value: Any, what: str = "list") -> list:
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
+
+
+def budget_text(b: Any) -> Any:
+    """A budget as `config.yaml` writes it: an explicit token count (`Tokens`) as "Ntok", so
+    that it reads back as one (a bare 1 would be refused); other budgets as they are."""
+    return f"{int(b)}{TOKENS_SUFFIX}" if isinstance(b, Tokens) else b
 
 
 def parse_budget(v: Any) -> float | int:
@@ -322,7 +331,9 @@ class EvalConfig:
         return chosen or ["agnostic"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["budgets"] = [budget_text(b) for b in d["budgets"]]  # config.yaml reads back the same
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvalConfig:
