@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekv.cache import int8_attention
+import sparsekv.cache.int8_attention as int8_attention
 from sparsekv.models.families import eager_attention_function, softcap
 
 BASE_IMPLEMENTATIONS = ("sdpa", "eager")

@@ -16,8 +16,8 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from sparsekv.cache import attention as attn
-from sparsekv.cache import state
+import sparsekv.cache.attention as attn
+import sparsekv.cache.state as state
 from sparsekv.cache.hooks import (
     _after_forward,
     _capture_hidden,

@@ -16,7 +16,7 @@ from transformers.cache_utils import (
     DynamicLayer,
 )
 
-from sparsekv.cache import attention as attn
+import sparsekv.cache.attention as attn
 from sparsekv.cache.int8 import dequantize, quantize
 from sparsekv.cache.schedules import layer_capacity
 from sparsekv.cache.shared import SharedState

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from sparsekv.cache import attention as attn
+import sparsekv.cache.attention as attn
 from sparsekv.cache.int8 import dequantize, quantize
 from sparsekv.cache.layer import EvictingLayer
 from sparsekv.cache.slots import (
