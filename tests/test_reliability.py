@@ -331,3 +331,74 @@ def test_an_explicit_token_budget_survives_config_yaml(tmp_path):
     assert again.budgets == [0.3, 1, 128] and isinstance(again.budgets[1], Tokens)
     assert again.policy_specs[0].budgets == (1, 0.5) and isinstance(again.policy_specs[0].budgets[0], Tokens)
     assert yaml.safe_load(yaml.safe_dump(cfg.to_dict()))["budgets"] == [0.3, "1tok", 128]
+
+
+# ---- 3. integrity of saved contexts; adapter subfolders stay inside the root ---------------------
+def _saved(tmp_path, name: str, seed: int, n: int = 30):
+    model = tiny_model("llama")
+    ctx = compress(model, _ids(n, seed), EvictionConfig(**CFG), "snapkv")
+    return model, ctx, ctx.save(tmp_path / name)
+
+
+def test_a_saved_context_records_the_digest_of_its_tensors(tmp_path):
+    model, ctx, path = _saved(tmp_path, "c", 1)
+    meta = json.loads((path / "context.json").read_text())
+    assert len(meta["tensors_sha256"]) == 64
+    loaded = CompressedContext.load(path, model)
+    assert torch.equal(loaded.context_ids, ctx.context_ids)
+    loaded.save(tmp_path / "again")  # a loaded context saves the same digest
+    assert json.loads((tmp_path / "again" / "context.json").read_text())["tensors_sha256"] == meta["tensors_sha256"]
+
+
+def test_flipped_bytes_in_a_saved_context_are_refused(tmp_path):
+    model, _, path = _saved(tmp_path, "c", 1)
+    f = path / "context.safetensors"
+    raw = bytearray(f.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    start = json.loads(raw[8 : 8 + n])["layers.0.values"]["data_offsets"][0]
+    raw[8 + n + start + 1] ^= 0x10  # one bit of one value
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="tensors' digest differs from the tensors_sha256"):
+        CompressedContext.load(path, model)
+
+
+def test_another_contexts_tensors_beside_this_json_are_refused(tmp_path):
+    model, _, path = _saved(tmp_path, "a", 1)
+    _, _, other = _saved(tmp_path, "b", 2)  # the same shapes: only the digest tells them apart
+    shutil.copy(other / "context.safetensors", path / "context.safetensors")
+    with pytest.raises(ValueError, match="does not match .*context.json"):
+        CompressedContext.load(path, model)
+
+
+def test_nan_keys_are_refused_even_with_a_matching_digest(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, _, path = _saved(tmp_path, "c", 1)
+    tensors = load_file(str(path / "context.safetensors"))
+    tensors["layers.2.keys"][0, 0, 0, 0] = float("nan")
+    save_file(tensors, str(path / "context.safetensors"))
+    meta = json.loads((path / "context.json").read_text())
+    meta["tensors_sha256"] = compressed._digest(tensors)  # a forged digest
+    (path / "context.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="layers.2.keys holds non-finite values"):
+        CompressedContext.load(path, model)
+    del meta["tensors_sha256"]  # a context written before the digest existed
+    (path / "context.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="layers.2.keys holds non-finite values"):
+        CompressedContext.load(path, model)
+
+
+@pytest.mark.parametrize("sub", ["x/../../other", "heads/../..", "..", "/etc", "x\\..\\..\\y", "C:\\other"])
+def test_a_subfolder_that_leaves_the_adapter_root_is_refused(tmp_path, sub):
+    root = tmp_path / "root"
+    (root / "x").mkdir(parents=True)
+    ScorerAdapter.for_model(tiny_model("llama")).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="must be a relative path inside the folder or repo"):
+        ScorerAdapter.from_pretrained(root, subfolder=sub)
+
+
+def test_a_subfolder_inside_the_root_still_loads(tmp_path):
+    adapter = ScorerAdapter.for_model(tiny_model("llama"))
+    adapter.save_pretrained(tmp_path / "root" / "heads" / "v2")
+    loaded = ScorerAdapter.from_pretrained(tmp_path / "root", subfolder="heads/./v2")
+    assert loaded.fingerprint() == adapter.fingerprint()

@@ -91,6 +91,20 @@ def _base_model_id(model: nn.Module) -> str | None:
     return str(name)
 
 
+def _escapes(subfolder: str) -> bool:
+    """Whether `subfolder` could leave the folder it is inside: absolute (any platform's
+    spelling) or holding a ".." part ("x/../../other")."""
+    from pathlib import PurePosixPath, PureWindowsPath
+
+    parts = subfolder.replace("\\", "/").split("/")
+    return (
+        PurePosixPath(subfolder).is_absolute()
+        or PureWindowsPath(subfolder).is_absolute()
+        or bool(PureWindowsPath(subfolder).drive)
+        or ".." in parts
+    )
+
+
 class TrainedScorer:
     """A `GatingHead` (`.head`), its `AdapterConfig` (`.config`) and optionally a LoRA of the base
     model (`.lora`, a `LoraWeights`)."""
@@ -222,7 +236,9 @@ class TrainedScorer:
         inside the local folder or the repo. Reads format 2 and format 1. Raises ValueError naming
         the file for a damaged config or weights file (see `sparsekv.scoring.files`)."""
         if subfolder is not None and (
-            not isinstance(subfolder, str) or subfolder.startswith(("/", ".."))
+            not isinstance(subfolder, str)
+            or subfolder.startswith(("/", ".."))
+            or _escapes(subfolder)
         ):
             raise ValueError(
                 f"subfolder={subfolder!r} must be a relative path inside the folder or repo"

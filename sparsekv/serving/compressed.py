@@ -24,7 +24,8 @@ under `quantize="int8"`), `positions`, `scores` and `observed` `(1, kv_heads, ke
 counters `seen`, `decode_steps`, `evicted`; for the other layers (sliding windows) their keys
 and values. `save` writes them as `context.safetensors` plus `context.json` (eviction config,
 policy spec, model shape and a fingerprint of its weights, token counts, kept entries per
-layer) into a folder, atomically; `load` refuses another model, dtype or policy.
+layer, a digest of the tensors) into a folder, atomically; `load` refuses another model, dtype
+or policy, tensors that do not match the digest, and keys or values that are not finite.
 
 It owns the compressed context and its file format; the snapshot and restore of a cache's
 state live in `sparsekv.cache.state`, the cache's own rules (what is kept, positions, masks) in
@@ -58,6 +59,9 @@ __all__ = ["CompressedContext", "TextContext", "compress", "compress_text"]
 FORMAT_VERSION = 1
 TENSORS_FILE = "context.safetensors"
 META_FILE = "context.json"
+DIGEST_KEY = "tensors_sha256"
+"""The `context.json` field holding the digest of every tensor of `context.safetensors`."""
+KV_SUFFIXES = (".keys", ".values", ".key_scale", ".value_scale")
 
 
 # ---------------------------------------------------------------------- policy resolution
@@ -152,6 +156,35 @@ def _lora_applied(model, lora) -> Iterator[None]:
 
     with apply_lora(model, lora):
         yield
+
+
+# ---------------------------------------------------------------------- integrity
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of every tensor (name, dtype, shape, bytes; sorted by name), as adapters hash
+    theirs (`sparsekv.scoring.files.tensors_digest`)."""
+    from sparsekv.scoring.files import tensors_digest
+
+    return tensors_digest(tensors)
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], recorded: Any, path: Path) -> None:
+    """Refuse tensors that are not those `context.json` was written with (the digest it records:
+    damaged bytes, another context's file beside it) or keys / values that are not finite.
+    Contexts written before the digest existed are checked for finiteness only."""
+    if recorded is not None and recorded != _digest(tensors):
+        raise ValueError(
+            f"{path} does not match {path.parent / META_FILE}: its tensors' digest differs from "
+            f"the {DIGEST_KEY} recorded there (damaged bytes, or another context's tensors); "
+            "compress and save the context again"
+        )
+    for name, t in sorted(tensors.items()):
+        if name.endswith(KV_SUFFIXES) and t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(
+                f"{path}: tensor {name} holds non-finite values (NaN or inf); a context's keys "
+                "and values are finite: compress and save the context again"
+            )
 
 
 # ---------------------------------------------------------------------- the compressed context
@@ -388,6 +421,7 @@ class CompressedContext:
         }
         tensors = {k: v.detach().cpu().contiguous() for k, v in self._tensors.items()}
         tensors["context_ids"] = self.context_ids.cpu().contiguous()
+        meta[DIGEST_KEY] = _digest(tensors)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
         _IN_PROGRESS.add(tmp.name)
@@ -470,6 +504,7 @@ class CompressedContext:
             tensors = load_file(str(tensors_path))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{tensors_path}: unreadable safetensors file ({e})") from None
+        _check_tensors(tensors, meta.get(DIGEST_KEY), tensors_path)
         config = EvictionConfig.from_dict(meta["config"])
         built = _policy_for_load(meta["policy"], policy, folder)
         device = next(model.parameters()).device
