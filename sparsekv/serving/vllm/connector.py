@@ -95,6 +95,7 @@ class _SparseKVConnectorBase(KVConnectorBase_V1):
         self._offsets: dict[str, int] = {}
         self._pending: dict[str, tuple[str, int, int]] = {}  # req -> (path, start, K)
         self._paths: dict[str, str] = {}
+        self._looked_up: set[str] = set()
         # worker side
         self._slots: dict[tuple[str, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._group_of: dict[str, int] | None = None
@@ -118,6 +119,16 @@ class _SparseKVConnectorBase(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self._stats_path and request.request_id not in self._looked_up:
+            self._looked_up.add(request.request_id)
+            self._record(
+                {
+                    "event": "lookup",
+                    "req_id": request.request_id,
+                    "prompt_len": len(request.prompt_token_ids or []),
+                    "local_hit": num_computed_tokens,
+                }
+            )
         ctx = self._context_of(request)
         if ctx is None:
             return 0, False
@@ -173,15 +184,36 @@ class _SparseKVConnectorBase(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._offsets.pop(request.request_id, None)
-        self._paths.pop(request.request_id, None)
-        self._pending.pop(request.request_id, None)
+        self._record_finish(request, (block_ids,))
+        self._forget(request)
         return False, None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished(request, block_ids[0] if block_ids else [])
+        self._record_finish(request, block_ids)
+        self._forget(request)
+        return False, None
+
+    def _record_finish(self, request: Request, block_ids) -> None:
+        if self._stats_path:
+            self._record(
+                {
+                    "event": "finish",
+                    "req_id": request.request_id,
+                    "path": self._paths.get(request.request_id),
+                    "num_tokens": request.num_tokens,
+                    # per KV-cache group: the blocks the request holds when it ends (a sliding
+                    # window's out-of-window blocks are the null block by then)
+                    "held": [sum(1 for i in b if i != 0) for b in block_ids],
+                }
+            )
+
+    def _forget(self, request: Request) -> None:
+        self._offsets.pop(request.request_id, None)
+        self._paths.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        self._looked_up.discard(request.request_id)
 
     def _record(self, row: dict[str, Any]) -> None:
         if self._stats_path:
@@ -260,7 +292,7 @@ class _SparseKVConnectorBase(KVConnectorBase_V1):
         return
 
 
-class SparseKVConnector(SupportsHMA, _SparseKVConnectorBase):
+class SparseKVConnector(_SparseKVConnectorBase, SupportsHMA):
     """The connector, with vLLM's hybrid KV-cache manager kept on: Gemma 3's sliding-window layers
     hold only the blocks of their window (the context's slots below it are vLLM's null block, and
     the connector writes only the slots that have a block)."""

@@ -192,3 +192,28 @@ def load_context(path: str | os.PathLike, keep: int = 64) -> SavedContext:
         while len(_CACHE) > keep:
             _CACHE.popitem(last=False)
     return ctx
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sparsekv.serving.vllm.context CTX [--question-ids 1 2 3]`: the JSON a client of
+    vLLM's OpenAI-compatible server needs: the prompt (placeholders, then the question's ids) and
+    the `kv_transfer_params` that name the context."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    ap.add_argument("ctx")
+    ap.add_argument("--question-ids", type=int, nargs="*", default=[])
+    args = ap.parse_args(argv)
+    ctx = load_context(args.ctx)
+    out = {
+        "num_tokens": ctx.num_tokens,
+        "num_slots": ctx.num_slots,
+        "prompt": ctx.prompt_ids(args.question_ids) if args.question_ids else ctx.placeholder_ids,
+        "kv_transfer_params": {"sparsekv_context": str(ctx.path)},
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
