@@ -1,0 +1,175 @@
+"""The bad-input sweep's machinery: a case (one bad input, the names a clear error must
+mention), how its outcome is classified (clear, unclear, silent), and the tiny fixtures the cases
+share (models, adapters, folders), built once. The cases live in one module per surface."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch
+
+torch.set_num_threads(1)
+
+import sparsekv
+from sparsekv.models.tiny import tiny_model
+
+CLEAR_TYPES = (ValueError, TypeError, FileNotFoundError)
+SURFACES = ("api", "adapter files", "train config", "eval cli")
+
+
+@dataclass
+class Case:
+    surface: str
+    group: str
+    name: str
+    fn: Callable[[], Any]
+    names: tuple[str, ...]
+    cli: bool = False
+    warn_ok: bool = False
+    """Carrying on with a warning (stderr) that names one of `names` is the right answer."""
+
+
+@dataclass
+class Outcome:
+    surface: str
+    group: str
+    name: str
+    outcome: str
+    error_type: str | None
+    message: str
+    names: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+CASES: list[Case] = []
+
+
+def case(surface: str, group: str, name: str, names, cli: bool = False, warn_ok: bool = False):
+    """Register `fn` as a case; `names`: words of which one must appear in the error message."""
+    if isinstance(names, str):
+        names = (names,)
+
+    def deco(fn):
+        CASES.append(Case(surface, group, name, fn, tuple(names), cli, warn_ok))
+        return fn
+
+    return deco
+
+
+def add(surface: str, group: str, name: str, names, fn, cli: bool = False,
+        warn_ok: bool = False) -> None:
+    case(surface, group, name, names, cli, warn_ok)(fn)
+
+
+def _names_in(msg: str, names: tuple[str, ...]) -> bool:
+    low = msg.lower()
+    return any(n.lower() in low for n in names)
+
+
+def classify(c: Case) -> Outcome:
+    err, out = io.StringIO(), io.StringIO()
+    t0 = time.perf_counter()
+    kind, msg, etype = "silent", "", None
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            ret = c.fn()
+    except SystemExit as e:  # argparse's exit 2 (its usage line names the flag)
+        etype = "SystemExit"
+        msg = err.getvalue().strip() or str(e)
+        kind = "clear" if e.code not in (0, None) and _names_in(msg, c.names) else "unclear"
+    except CLEAR_TYPES as e:
+        etype = type(e).__name__
+        msg = str(e)
+        if c.cli:  # escaped sparsekv.cli.main: the user sees a traceback, not an exit 2
+            msg = f"raw traceback ({etype} escaped the CLI): {msg}"
+            kind = "unclear"
+        else:
+            kind = "clear" if _names_in(msg, c.names) else "unclear"
+    except Exception as e:  # noqa: BLE001  (every other type is "unclear" by definition)
+        etype = type(e).__name__
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f" (raised in {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+        msg = f"{e}{where}"
+        kind = "unclear"
+    else:
+        if c.cli:
+            msg = err.getvalue().strip()
+            if ret == 2:
+                etype = "exit 2"
+                kind = "clear" if _names_in(msg, c.names) else "unclear"
+            elif ret in (0, None):
+                etype = "exit 0"
+                kind = "clear" if c.warn_ok and _names_in(msg, c.names) else "silent"
+            else:
+                etype, kind = f"exit {ret}", "unclear"
+        else:
+            msg = f"accepted: {ret!r}"[:300]
+    lines = [x for x in msg.splitlines() if x.strip()]
+    short = " | ".join(lines[-3:])[:600]
+    return Outcome(c.surface, c.group, c.name, kind, etype, short, list(c.names),
+                   round(time.perf_counter() - t0, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# shared fixtures (built once, lazily)
+# ---------------------------------------------------------------------------------------------
+_CACHE: dict[str, Any] = {}
+TMP = Path(tempfile.mkdtemp(prefix="sparsekv-sweep-"))
+
+
+def model(family: str = "llama"):
+    key = f"model:{family}"
+    if key not in _CACHE:
+        _CACHE[key] = tiny_model(family).eval()
+    return _CACHE[key]
+
+
+def adapter(family: str = "llama"):
+    key = f"adapter:{family}"
+    if key not in _CACHE:
+        _CACHE[key] = sparsekv.ScorerAdapter.for_model(model(family), hidden=8)
+    return _CACHE[key]
+
+
+def adapter_dir(family: str = "llama") -> Path:
+    key = f"adapter_dir:{family}"
+    if key not in _CACHE:
+        _CACHE[key] = adapter(family).save_pretrained(TMP / f"adapter-{family}")
+    return _CACHE[key]
+
+
+_n = [0]
+
+
+def damaged(edit: Callable[[Path], None], family: str = "llama") -> Path:
+    """A copy of the saved tiny adapter folder with `edit(folder)` applied."""
+    _n[0] += 1
+    folder = TMP / f"damaged-{_n[0]}"
+    shutil.copytree(adapter_dir(family), folder)
+    edit(folder)
+    return folder
+
+
+def cfg(**kw):
+    return sparsekv.EvictionConfig(**{"budget": 0.5, **kw})
+
+
+def ids(n: int = 24):
+    return torch.arange(1, n + 1).unsqueeze(0)
