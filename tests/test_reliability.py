@@ -402,3 +402,42 @@ def test_a_subfolder_inside_the_root_still_loads(tmp_path):
     adapter.save_pretrained(tmp_path / "root" / "heads" / "v2")
     loaded = ScorerAdapter.from_pretrained(tmp_path / "root", subfolder="heads/./v2")
     assert loaded.fingerprint() == adapter.fingerprint()
+
+
+def _learned_context(tmp_path):
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    folder = _trained_like(ScorerAdapter.for_model(model, hidden=8)).save_pretrained(tmp_path / "ad")
+    ctx = compress(model, _ids(30, 1), EvictionConfig(**CFG), f"learned:{folder}")
+    return model, folder, ctx.save(tmp_path / "c")
+
+
+def test_a_context_naming_its_adapter_is_checked_against_the_recorded_fingerprint(tmp_path):
+    model, folder, path = _learned_context(tmp_path)
+    assert CompressedContext.load(path, model).num_tokens == 30  # rebuilt from the record
+    other = _trained_like(ScorerAdapter.for_model(model, hidden=8), seed=5).save_pretrained(
+        tmp_path / "other"
+    )
+    meta = json.loads((path / "context.json").read_text())
+    meta["policy"]["source"] = str(other)  # context.json pointed at another adapter
+    (path / "context.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="compressed with an adapter of fingerprint"):
+        CompressedContext.load(path, model)
+    meta["policy"]["adapter_fingerprint"] = None  # and its fingerprint stripped
+    (path / "context.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="records no adapter_fingerprint"):
+        CompressedContext.load(path, model)
+    # passing the adapter vouches for it
+    assert CompressedContext.load(path, model, policy=ScorerAdapter.from_pretrained(folder)).num_tokens == 30
+
+
+def test_an_adapter_whose_header_digest_is_stripped_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _trained_like(ScorerAdapter.for_model(tiny_model("llama"))).save_pretrained(tmp_path / "a")
+    state = load_file(str(folder / "model.safetensors"))
+    name = sorted(state)[0]
+    state[name] = state[name] + 1.0  # edited weights
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="has no sparsekv_tensors_sha256 in its header"):
+        ScorerAdapter.from_pretrained(folder)

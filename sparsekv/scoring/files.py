@@ -401,9 +401,12 @@ def expected_shapes(config: AdapterConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in head.state_dict().items()}
 
 
-def read_weights(path: Path, config: AdapterConfig) -> dict[str, torch.Tensor]:
+def read_weights(
+    path: Path, config: AdapterConfig, require_digest: bool = False
+) -> dict[str, torch.Tensor]:
     """The head's tensors from `path`, checked: the header against `config`'s shapes before any
-    tensor is read, the recorded digest (format 2), then finiteness. Errors name the file."""
+    tensor is read, the recorded digest (format 2; `require_digest`: a header without one is
+    refused, since every format-2 writer records it), then finiteness. Errors name the file."""
     from safetensors import safe_open
 
     try:
@@ -438,6 +441,12 @@ def read_weights(path: Path, config: AdapterConfig) -> dict[str, torch.Tensor]:
             f"{path} is not a readable safetensors file ({type(e).__name__}: {e})"
         ) from e
     recorded = meta.get(DIGEST_KEY)
+    if recorded is None and require_digest:
+        raise ValueError(
+            f"{path} has no {DIGEST_KEY} in its header, which every format-2 adapter records: "
+            "its weights cannot be checked (edited or re-saved by another tool); save the "
+            "adapter again with save_pretrained"
+        )
     if recorded is not None and recorded != tensors_digest(state):
         raise ValueError(
             f"{path} is damaged: its tensors do not match the digest recorded in its header"

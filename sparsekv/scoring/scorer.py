@@ -265,7 +265,8 @@ class TrainedScorer:
             raise FileNotFoundError(f"{folder} is not a folder (subfolder={subfolder!r})")
         config_path, weights_path, version = folder_files(folder)
         config = read_config(config_path, version)
-        state = read_weights(weights_path, config)  # header checked before any tensor is read
+        # the header is checked before any tensor is read; format 2 always records a digest
+        state = read_weights(weights_path, config, require_digest=version >= 2)
         head = GatingHead(
             config.hidden_size,
             config.num_kv_heads,

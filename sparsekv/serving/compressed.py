@@ -115,6 +115,12 @@ def _policy_for_load(spec: dict[str, Any], policy: Any, path: Path) -> Policy:
         if spec["kind"] == "name":
             return get_policy(spec["spec"])
         if spec["kind"] == "adapter" and spec.get("source"):
+            if not spec.get("adapter_fingerprint"):  # checked before anything is downloaded
+                raise ValueError(
+                    f"{path}: {META_FILE} names the adapter {spec['source']!r} but records no "
+                    "adapter_fingerprint to check it against; pass the adapter it was "
+                    "compressed with as CompressedContext.load(path, model, policy=...)"
+                )
             policy = f"learned:{spec['source']}"
         else:
             raise ValueError(
