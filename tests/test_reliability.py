@@ -35,6 +35,13 @@ def _tree(folder: Path) -> dict[str, bytes]:
     }
 
 
+def _rewrite(path: Path, write) -> None:
+    """Write a file anew (a new inode: tensors still mapped from the old one stay readable)."""
+    tmp = path.with_name(path.name + ".new")
+    write(tmp)
+    os.replace(tmp, path)
+
+
 # ---- 1. ScorerAdapter.save_pretrained never removes what it did not write ------------------------
 def _run_folder(tmp_path: Path) -> Path:
     run = tmp_path / "run"
@@ -374,9 +381,9 @@ def test_nan_keys_are_refused_even_with_a_matching_digest(tmp_path):
     from safetensors.torch import load_file, save_file
 
     model, _, path = _saved(tmp_path, "c", 1)
-    tensors = load_file(str(path / "context.safetensors"))
+    tensors = {k: v.clone() for k, v in load_file(str(path / "context.safetensors")).items()}
     tensors["layers.2.keys"][0, 0, 0, 0] = float("nan")
-    save_file(tensors, str(path / "context.safetensors"))
+    _rewrite(path / "context.safetensors", lambda p: save_file(tensors, str(p)))
     meta = json.loads((path / "context.json").read_text())
     meta["tensors_sha256"] = compressed._digest(tensors)  # a forged digest
     (path / "context.json").write_text(json.dumps(meta))
@@ -435,9 +442,50 @@ def test_an_adapter_whose_header_digest_is_stripped_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
     folder = _trained_like(ScorerAdapter.for_model(tiny_model("llama"))).save_pretrained(tmp_path / "a")
-    state = load_file(str(folder / "model.safetensors"))
+    state = {k: v.clone() for k, v in load_file(str(folder / "model.safetensors")).items()}
     name = sorted(state)[0]
     state[name] = state[name] + 1.0  # edited weights
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _rewrite(folder / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
     with pytest.raises(ValueError, match="has no sparsekv_tensors_sha256 in its header"):
         ScorerAdapter.from_pretrained(folder)
+
+
+def _lora_adapter_folder(tmp_path) -> Path:
+    from peft import LoraConfig, get_peft_model
+
+    from sparsekv.scoring.lora import quiet_peft
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    with quiet_peft():
+        peft_model = get_peft_model(tiny_model("llama"), config)
+    return ScorerAdapter.for_model(tiny_model("llama")).save_pretrained(tmp_path / "a", lora=peft_model)
+
+
+def test_a_lora_missing_factors_or_edited_is_refused(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from sparsekv.scoring.files import safetensors_bytes
+
+    folder = _lora_adapter_folder(tmp_path)
+    ScorerAdapter.from_pretrained(folder)  # as saved: loads
+    f = folder / "lora" / "adapter_model.safetensors"
+    original = f.read_bytes()
+    state = {k: v.clone() for k, v in load_file(str(f)).items()}
+    with safe_open(str(f), framework="pt") as st:
+        meta = st.metadata()
+    no_b = {k: v for k, v in state.items() if ".lora_B." not in k}
+    # a consistent digest of the remaining tensors
+    _rewrite(f, lambda p: p.write_bytes(safetensors_bytes(no_b)))
+    with pytest.raises(ValueError, match=r"lora_A\.weight has no .*lora_B\.weight"):
+        ScorerAdapter.from_pretrained(folder)
+    edited = {k: v + 1.0 for k, v in state.items()}
+    _rewrite(f, lambda p: save_file(edited, str(p), metadata=meta))  # the old header's digest
+    with pytest.raises(ValueError, match="is damaged: its tensors do not match the digest"):
+        ScorerAdapter.from_pretrained(folder)
+    _rewrite(f, lambda p: save_file(edited, str(p), metadata={"format": "pt"}))  # no digest
+    with pytest.raises(ValueError, match="has no sparsekv_tensors_sha256"):
+        ScorerAdapter.from_pretrained(folder)
+    _rewrite(f, lambda p: p.write_bytes(original))
+    ScorerAdapter.from_pretrained(folder)
