@@ -2,8 +2,10 @@
 
 This module owns building the training corpus as JSONL records `{"text": ..., "source": ...}`:
 
-- prose of the `train` source families of `sparsekv.sources` (the `pydoc_data.topics` help
-  pages, the docstrings of the standard library and Debian's license texts); the evaluation
+- prose of the `train` source families of `sparsekv.sources` (by default the
+  `pydoc_data.topics` help pages, the docstrings of the standard library and Debian's license
+  texts; on request the installed packages' metadata descriptions and docstrings and the man
+  pages); the evaluation
   reads only the `eval` families, so no evaluation prompt repeats training text;
 - synthetic long-context samples hidden in that prose, so that the head learns that a needle
   matters, with values of every type the evaluation asks for but wordings of their own
@@ -41,6 +43,10 @@ from sparsekv import sources
 # The training side of the split: only families that sparsekv.sources marks "train" (the
 # evaluation reads the "eval" ones), checked at import.
 SOURCES = tuple(f.name for f in sources.families(split="train", kind="prose"))
+# What `sources` defaults to: the first three families; the later ones (metadata, packages,
+# manpages) are opted into (configs/train/gemma3-270m-store.yaml), so the corpus of every
+# recorded run stays byte-identical.
+DEFAULT_SOURCES = ("pydoc", "docstrings", "licenses")
 KINDS = ("passkey", "kv", "vars", "words", "uuid", "pairs", "tally", "quote", "multi")
 # What `kinds` defaults to: every kind but "multi", which came later; leaving it out of the
 # default keeps the corpus of every recorded run (and its checkpoint) byte-identical.
@@ -62,8 +68,9 @@ class BuildConfig:
     kinds: list[str] = field(default_factory=lambda: list(DEFAULT_KINDS))
     """Synthetic sample kinds to draw from: passkey, kv, vars, words, uuid, pairs, tally, quote,
     multi (default: all but multi)."""
-    sources: list[str] = field(default_factory=lambda: list(SOURCES))
-    """Prose sources: pydoc, docstrings, licenses."""
+    sources: list[str] = field(default_factory=lambda: list(DEFAULT_SOURCES))
+    """Prose sources: pydoc, docstrings, licenses (the default), metadata (installed
+    distributions' long descriptions), packages (third-party docstrings), manpages."""
 
     def __post_init__(self) -> None:
         for name in ("max_prose_chars", "max_doc_chars", "context_chars"):

@@ -9,7 +9,14 @@ evaluation prompt never reuses text the gating head was trained on (`tests/test_
 checks that no 64-character span of the evaluation text occurs in the default training corpus).
 
 - train: the Python help topics (`pydoc_data.topics`), the docstrings of the standard library
-  (read with `ast`, nothing imported) and the license texts of `/usr/share/common-licenses`.
+  (read with `ast`, nothing imported) and the license texts of `/usr/share/common-licenses`;
+  and, added later (not in `data/build.py`'s default `sources`, so the corpus of every recorded
+  run is unchanged): the long descriptions in the installed distributions' metadata
+  (`importlib.metadata`, "metadata"), the docstrings of the installed third-party packages
+  ("packages", read with `ast` like the standard library's, at most `PACKAGE_FILES` files per
+  package) and the English man pages of `/usr/share/man/man*` ("manpages", roff markup removed).
+  The evaluation's own packages (gensim, and sparsekv itself, whose README quotes evaluation
+  prompts) are left out of the first two.
 - eval: two English corpora and the source code shipped inside the `gensim` wheel (pinned in
   `pyproject.toml`, so every machine reads the same bytes; gensim itself is never imported):
   the Lee news corpus (ABC news articles, `test_data/lee_background.cor` and `lee.cor`), 206
@@ -108,6 +115,188 @@ def _licenses() -> list[tuple[str, str]]:
         if p.is_file():
             out.append((f"license:{p.name}", p.read_text(encoding="utf-8", errors="replace")))
     return out
+
+
+# Distributions and packages whose text is evaluation material (gensim's corpora and code) or
+# quotes it (sparsekv's own README and docs hold evaluation prompts and results).
+_EVAL_PACKAGES = frozenset({"gensim", "sparsekv"})
+# Training documents that quote evaluation text, found by tests/test_text_split.py and left out:
+# numpy's numeric.py docstrings share parameter wordings with gensim's code; libpng(3) is the
+# libpng manual of /usr/share/doc whose procedures the evaluation reads.
+_QUOTES_EVALUATION = frozenset({"packages:numpy/_core/numeric", "manpages:man3/libpng.3.gz"})
+PACKAGE_FILES = 40
+"""At most this many `.py` files (the first in path order) per third-party package."""
+MAN_DIR = Path("/usr/share/man")
+MAN_MAX_BYTES = 200_000
+"""Compressed man pages larger than this are skipped (generated reference dumps)."""
+MAN_MAX_CHARS = 6_000_000
+"""The man pages read stop at this many characters of text: pages are taken in the order of a
+hash of their names (a spread over every section and letter, the same on every machine with the
+same pages), so the family stays a few MB where a machine has 70 MB of manuals."""
+
+
+def _metadata() -> list[tuple[str, str]]:
+    import importlib.metadata as md
+
+    out, seen = [], set()
+    for dist in md.distributions():
+        name = (dist.metadata.get("Name") or "").strip()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if not name or key in seen or key in _EVAL_PACKAGES:
+            continue
+        seen.add(key)
+        text = dist.metadata.get("Description") or ""
+        if not text.strip() and hasattr(dist.metadata, "get_payload"):
+            text = dist.metadata.get_payload() or ""
+        if isinstance(text, str) and len(text.strip()) >= 500:
+            out.append((f"metadata:{key}", text))
+    return sorted(out)
+
+
+def package_dirs() -> list[Path]:
+    """Top-level third-party package folders of the running interpreter's site-packages, in name
+    order (the evaluation's packages and private or test folders left out)."""
+    roots = {Path(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
+    found: dict[str, Path] = {}
+    for root in sorted(roots):
+        if not root.is_dir():
+            continue
+        for p in sorted(root.iterdir()):
+            name = p.name
+            if (not p.is_dir() or name.startswith(("_", ".")) or "." in name
+                    or name in _EVAL_PACKAGES or name in ("test", "tests")
+                    or not (p / "__init__.py").is_file()):
+                continue
+            found.setdefault(name, p)
+    return [found[k] for k in sorted(found)]
+
+
+def _packages() -> list[tuple[str, str]]:
+    skip = {"test", "tests", "testing", "__pycache__", "_vendor", "vendored", "examples"}
+    out = []
+    for pkg in package_dirs():
+        files = sorted(
+            f for f in pkg.rglob("*.py") if not skip.intersection(f.relative_to(pkg).parts)
+        )[:PACKAGE_FILES]
+        for f in files:
+            text = docstrings_text(f)
+            if len(text) >= 300:
+                name = f"packages:{f.relative_to(pkg.parent).with_suffix('').as_posix()}"
+                if name not in _QUOTES_EVALUATION:
+                    out.append((name, text))
+    return out
+
+
+_ROFF_FONT = re.compile(r"\\f(\(..|\[[^\]]*\]|.)")
+_ROFF_ESCAPES = (
+    (re.compile(r"\\\((em|en|hy)"), "-"),
+    (re.compile(r"\\\((aq|cq|oq)"), "'"),
+    (re.compile(r"\\\((dq|lq|rq)"), '"'),
+    (re.compile(r"\\\(bu"), "*"),
+    (re.compile(r"\\\(..|\\\[[^\]]*\]|\\\*(\(..|\[[^\]]*\]|.)"), ""),
+    (re.compile(r"\\s[-+]?\d+|\\[&|^c%:]|\\n(\(..|\[[^\]]*\]|.)|\\k."), ""),
+    (re.compile(r"\\[,/]"), ""),  # italic corrections
+    (re.compile(r"\\[- ]"), lambda m: m.group(0)[1]),
+    (re.compile(r"\\e"), "\\\\"),
+)
+_ROFF_TEXT_MACROS = {"B", "I", "BR", "RB", "IR", "RI", "BI", "IB", "SM", "SB", "UR", "MT", "Nm",
+                     "Ar", "Fl", "Cm", "Pa", "Sy", "Em", "Nd", "Dq", "Qq", "Sq", "Li", "Xr"}
+_ROFF_BREAKS = {"SH", "SS", "PP", "LP", "P", "TP", "IP", "HP", "sp", "br", "Sh", "Ss", "Pp", "It"}
+
+
+def _roff_inline(text: str) -> str:
+    text = _ROFF_FONT.sub("", text)
+    for pattern, repl in _ROFF_ESCAPES:
+        text = pattern.sub(repl, text)
+    return text.replace("\\\\", "\\")
+
+
+def man_to_text(roff: str) -> str:
+    """Plain paragraphs from a man page's roff (man or mdoc macros): requests and comments
+    dropped, headings and tagged items kept as their words, font and character escapes removed,
+    tables and macro definitions left out."""
+    paras: list[str] = []
+    cur: list[str] = []
+    skip_until = None
+
+    def flush() -> None:
+        if cur:
+            para = " ".join(" ".join(cur).split())
+            if para:
+                paras.append(para)
+            cur.clear()
+
+    for line in roff.splitlines():
+        if skip_until is not None:
+            if line.startswith(skip_until):
+                skip_until = None
+            continue
+        if line.startswith((".TS", "'TS")):
+            skip_until = ".TE"
+            continue
+        if line.startswith((".de", "'de", ".ig")):
+            skip_until = ".."
+            continue
+        if line.startswith((".", "'")):
+            macro, _, args = line[1:].strip().partition(" ")
+            if macro.startswith('\\"') or not macro:
+                continue
+            if macro in _ROFF_BREAKS:
+                flush()
+            if macro in _ROFF_TEXT_MACROS or macro in ("SH", "SS", "IP", "Sh", "Ss", "It"):
+                words = re.findall(r'"([^"]*)"|(\S+)', args)
+                parts = [a or b for a, b in words]
+                joined = macro in ("BR", "RB", "IR", "RI", "BI", "IB")  # alternating fonts
+                text = _roff_inline(("" if joined else " ").join(parts))
+                if text.strip():
+                    cur.append(text)
+                if macro in ("SH", "SS", "Sh", "Ss"):
+                    flush()
+            continue
+        if not line.strip():
+            flush()
+            continue
+        cur.append(_roff_inline(line))
+    flush()
+    return "\n\n".join(p for p in paras if len(p) >= 2)
+
+
+def man_files() -> list[Path]:
+    """The English man pages (`/usr/share/man/man*/`), links and over-large pages left out."""
+    if not MAN_DIR.is_dir():
+        return []
+    files = []
+    for section in sorted(MAN_DIR.glob("man*")):
+        for p in sorted(section.iterdir()):
+            if p.is_file() and not p.is_symlink() and p.stat().st_size <= MAN_MAX_BYTES:
+                files.append(p)
+    return files
+
+
+def _manpages() -> list[tuple[str, str]]:
+    import hashlib
+
+    out, total = [], 0
+    order = sorted(man_files(), key=lambda p: hashlib.sha1(p.name.encode()).hexdigest())
+    for p in order:
+        if total >= MAN_MAX_CHARS:
+            break
+        try:
+            if p.suffix == ".gz":
+                with gzip.open(p, "rt", encoding="utf-8", errors="replace") as f:
+                    raw = f.read()
+            else:
+                raw = p.read_text(encoding="utf-8", errors="replace")
+        except (OSError, EOFError, ValueError):
+            continue
+        if raw.lstrip().startswith(".so "):  # a page that only points at another
+            continue
+        text = man_to_text(raw)
+        name = f"manpages:{p.parent.name}/{p.name}"
+        if len(text) >= 500 and name not in _QUOTES_EVALUATION:
+            out.append((name, text))
+            total += len(text)
+    return sorted(out)
 
 
 # ---------------------------------------------------------------- evaluation families
@@ -334,6 +523,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("docstrings", "train", "prose", "standard-library docstrings, read with ast",
            _docstrings),
     Family("licenses", "train", "prose", str(LICENSE_DIR), _licenses),
+    Family("metadata", "train", "prose",
+           "long descriptions of the installed distributions (importlib.metadata)", _metadata),
+    Family("packages", "train", "prose",
+           "docstrings of the installed third-party packages, read with ast", _packages),
+    Family("manpages", "train", "prose", f"English man pages of {MAN_DIR}/man*", _manpages),
     Family("news", "eval", "prose", "gensim test_data/lee_background.cor + lee.cor", _news),
     Family("wikipedia", "eval", "prose", f"gensim test_data/{_WIKI_FILE}", _wikipedia),
     Family("gensim-code", "eval", "code", "gensim's own .py files (tests left out)",

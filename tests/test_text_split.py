@@ -70,6 +70,17 @@ def train_windows() -> np.ndarray:
     return np.unique(np.concatenate([window_hashes(r["text"]) for r in records]))
 
 
+ADDED_TRAIN_FAMILIES = ("metadata", "packages", "manpages")
+
+
+@pytest.fixture(scope="session")
+def added_train_windows() -> np.ndarray:
+    """Every 64-character window of the training families added after the default corpus (all
+    of their text, not only what a build with a prose cap would take)."""
+    hashes = [window_hashes(text) for name in ADDED_TRAIN_FAMILIES for _, text in sources.read(name)]
+    return np.unique(np.concatenate(hashes))
+
+
 def test_families_are_split_and_training_reads_only_its_own():
     from data.build import SOURCES
 
@@ -102,6 +113,37 @@ def test_eval_texts_share_no_64_char_span_with_training(kind, train_windows):
         if hits:
             bad[name] = hits
     assert not bad, f"{len(bad)} evaluation texts quote training text: {list(bad.items())[:3]}"
+
+
+@pytest.mark.parametrize("kind", ["prose", "code", "steps"])
+def test_eval_texts_share_no_64_char_span_with_the_added_training_families(
+    kind, added_train_windows
+):
+    for name in ADDED_TRAIN_FAMILIES:
+        assert sources.get_family(name).split == "train"
+    assert len(added_train_windows) > 1_000_000  # the families really were read
+    bad = {}
+    for name, text in eval_texts(kind):
+        hits = shared_windows(text, added_train_windows)
+        if hits:
+            bad[name] = hits
+    assert not bad, f"{len(bad)} evaluation texts quote training text: {list(bad.items())[:3]}"
+
+
+def test_added_families_leave_out_the_evaluation_packages_and_clean_man_pages():
+    assert not any(n.startswith(("metadata:gensim", "metadata:sparsekv")) for n, _ in sources.read("metadata"))
+    names = [n for n, _ in sources.read("packages")]
+    assert names and not any(n.startswith(("packages:gensim/", "packages:sparsekv/")) for n in names)
+    roff = (
+        '.\\" a comment\n.TH LS 1\n.SH NAME\nls \\- list directory contents\n.SH DESCRIPTION\n'
+        ".PP\nList \\fBinformation\\fR about the \\fIFILE\\/\\fRs.\n.TP\n"
+        '\\fB\\-a\\fR, \\fB\\-\\-all\\fR\ndo not ignore entries\n.BR ls (1)\n.TS\ntab;\n.TE\n'
+    )
+    text = sources.man_to_text(roff)
+    assert text.split("\n\n") == [
+        "NAME", "ls - list directory contents", "DESCRIPTION",
+        "List information about the FILEs.", "-a, --all do not ignore entries ls(1)",
+    ]
 
 
 @pytest.mark.parametrize("seed", [1, 7])
