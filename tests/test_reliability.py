@@ -74,7 +74,9 @@ def test_overwrite_writes_the_adapter_beside_the_other_files(tmp_path):
     assert {k: after[k] for k in before} == before  # the run's files are all there, unchanged
     assert set(after) - set(before) == set(ADAPTER_FILES)
     h = torch.randn(1, 4, 64)
-    assert torch.equal(ScorerAdapter.from_pretrained(folder).score_layer(0, h), adapter.score_layer(0, h))
+    assert torch.equal(
+        ScorerAdapter.from_pretrained(folder).score_layer(0, h), adapter.score_layer(0, h)
+    )
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]  # no temporaries
     with pytest.raises(ValueError, match="overwrite='yes' must be True or False"):
         adapter.save_pretrained(run, overwrite="yes")
@@ -105,7 +107,9 @@ def test_saving_over_an_adapter_replaces_each_file_atomically(tmp_path, monkeypa
     assert folder.stat().st_ino == inode  # written in place, not swapped
     assert set(_tree(folder)) == set(before)
     h = torch.randn(1, 4, 64)
-    assert torch.equal(ScorerAdapter.from_pretrained(folder).score_layer(0, h), second.score_layer(0, h))
+    assert torch.equal(
+        ScorerAdapter.from_pretrained(folder).score_layer(0, h), second.score_layer(0, h)
+    )
 
 
 def test_a_save_killed_between_files_leaves_loadable_files_and_is_cleaned(tmp_path, monkeypatch):
@@ -130,6 +134,24 @@ def test_a_save_killed_between_files_leaves_loadable_files_and_is_cleaned(tmp_pa
     third = _trained_like(ScorerAdapter.for_model(tiny_model("llama")), seed=3)
     third.save_pretrained(folder)  # a killed save's leftover is an adapter's, not foreign
     assert sorted(p.name for p in folder.iterdir()) == sorted(ADAPTER_FILES)
+
+
+def test_a_first_save_killed_leaves_no_folder_and_its_temporary_is_cleaned(tmp_path, monkeypatch):
+    adapter = ScorerAdapter.for_model(tiny_model("llama"))
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "rename", killed)
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # a kill runs no clean-up
+    with pytest.raises(KeyboardInterrupt):
+        adapter.save_pretrained(tmp_path / "a")
+    monkeypatch.undo()
+    (left,) = [p for p in tmp_path.iterdir()]
+    assert not (tmp_path / "a").exists() and left.name.startswith(f".a.tmp-{os.getpid()}-")
+    os.rename(left, tmp_path / ".a.tmp-999999999-xyz")  # as a process that is gone left it
+    adapter.save_pretrained(tmp_path / "a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
 
 
 def test_a_foreign_file_inside_lora_is_refused(tmp_path):
@@ -169,7 +191,9 @@ def _kill_at(monkeypatch, k: int, exchange: bool) -> list[str]:
 
     real_exchange = compressed._exchange
     monkeypatch.setattr(os, "mkdir", step("mkdir", os.mkdir))
-    monkeypatch.setattr(safetensors.torch, "save_file", step("save_file", safetensors.torch.save_file))
+    monkeypatch.setattr(
+        safetensors.torch, "save_file", step("save_file", safetensors.torch.save_file)
+    )
     monkeypatch.setattr(os, "fsync", step("fsync", os.fsync))
     monkeypatch.setattr(os, "rename", step("rename", os.rename))
     monkeypatch.setattr(os, "replace", step("replace", os.replace))
@@ -298,7 +322,9 @@ def test_cli_budgets_follow_the_api_rule(text, want):
     from sparsekv.evaluation.config import EvalConfig, parse_budget
 
     got = parse_budget(text)
-    assert got == want and type(got) is type(EvictionConfig(budget=got, sink_tokens=0, recent_window=0).budget)
+    assert got == want and type(got) is type(
+        EvictionConfig(budget=got, sink_tokens=0, recent_window=0).budget
+    )
     assert isinstance(got, Tokens) == text.endswith("tok")
     assert EvalConfig(budgets=text).budgets == [want]
 
@@ -319,7 +345,9 @@ def test_cli_refuses_what_the_api_refuses(text, api, message, tmp_path, capsys):
         EvictionConfig(budget=api)
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_budget(text)
-    assert main(["eval", "--model", "tiny:llama", "--out", str(tmp_path / "x"), "--budget", text]) == 2
+    assert (
+        main(["eval", "--model", "tiny:llama", "--out", str(tmp_path / "x"), "--budget", text]) == 2
+    )
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
@@ -336,7 +364,9 @@ def test_an_explicit_token_budget_survives_config_yaml(tmp_path):
     back = read_config(tmp_path)
     again = EvalConfig.from_dict({k: v for k, v in back.items() if k != "policy_specs"})
     assert again.budgets == [0.3, 1, 128] and isinstance(again.budgets[1], Tokens)
-    assert again.policy_specs[0].budgets == (1, 0.5) and isinstance(again.policy_specs[0].budgets[0], Tokens)
+    assert again.policy_specs[0].budgets == (1, 0.5) and isinstance(
+        again.policy_specs[0].budgets[0], Tokens
+    )
     assert yaml.safe_load(yaml.safe_dump(cfg.to_dict()))["budgets"] == [0.3, "1tok", 128]
 
 
@@ -354,7 +384,10 @@ def test_a_saved_context_records_the_digest_of_its_tensors(tmp_path):
     loaded = CompressedContext.load(path, model)
     assert torch.equal(loaded.context_ids, ctx.context_ids)
     loaded.save(tmp_path / "again")  # a loaded context saves the same digest
-    assert json.loads((tmp_path / "again" / "context.json").read_text())["tensors_sha256"] == meta["tensors_sha256"]
+    assert (
+        json.loads((tmp_path / "again" / "context.json").read_text())["tensors_sha256"]
+        == meta["tensors_sha256"]
+    )
 
 
 def test_flipped_bytes_in_a_saved_context_are_refused(tmp_path):
@@ -395,7 +428,9 @@ def test_nan_keys_are_refused_even_with_a_matching_digest(tmp_path):
         CompressedContext.load(path, model)
 
 
-@pytest.mark.parametrize("sub", ["x/../../other", "heads/../..", "..", "/etc", "x\\..\\..\\y", "C:\\other"])
+@pytest.mark.parametrize(
+    "sub", ["x/../../other", "heads/../..", "..", "/etc", "x\\..\\..\\y", "C:\\other"]
+)
 def test_a_subfolder_that_leaves_the_adapter_root_is_refused(tmp_path, sub):
     root = tmp_path / "root"
     (root / "x").mkdir(parents=True)
@@ -414,7 +449,9 @@ def test_a_subfolder_inside_the_root_still_loads(tmp_path):
 def _learned_context(tmp_path):
     model = tiny_model("llama")
     torch.manual_seed(0)
-    folder = _trained_like(ScorerAdapter.for_model(model, hidden=8)).save_pretrained(tmp_path / "ad")
+    folder = _trained_like(ScorerAdapter.for_model(model, hidden=8)).save_pretrained(
+        tmp_path / "ad"
+    )
     ctx = compress(model, _ids(30, 1), EvictionConfig(**CFG), f"learned:{folder}")
     return model, folder, ctx.save(tmp_path / "c")
 
@@ -435,17 +472,24 @@ def test_a_context_naming_its_adapter_is_checked_against_the_recorded_fingerprin
     with pytest.raises(ValueError, match="records no adapter_fingerprint"):
         CompressedContext.load(path, model)
     # passing the adapter vouches for it
-    assert CompressedContext.load(path, model, policy=ScorerAdapter.from_pretrained(folder)).num_tokens == 30
+    assert (
+        CompressedContext.load(path, model, policy=ScorerAdapter.from_pretrained(folder)).num_tokens
+        == 30
+    )
 
 
 def test_an_adapter_whose_header_digest_is_stripped_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    folder = _trained_like(ScorerAdapter.for_model(tiny_model("llama"))).save_pretrained(tmp_path / "a")
+    folder = _trained_like(ScorerAdapter.for_model(tiny_model("llama"))).save_pretrained(
+        tmp_path / "a"
+    )
     state = {k: v.clone() for k, v in load_file(str(folder / "model.safetensors")).items()}
-    name = sorted(state)[0]
+    name = min(state)
     state[name] = state[name] + 1.0  # edited weights
-    _rewrite(folder / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    _rewrite(
+        folder / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"})
+    )
     with pytest.raises(ValueError, match="has no sparsekv_tensors_sha256 in its header"):
         ScorerAdapter.from_pretrained(folder)
 
@@ -456,10 +500,14 @@ def _lora_adapter_folder(tmp_path) -> Path:
     from sparsekv.scoring.lora import quiet_peft
 
     torch.manual_seed(0)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
     with quiet_peft():
         peft_model = get_peft_model(tiny_model("llama"), config)
-    return ScorerAdapter.for_model(tiny_model("llama")).save_pretrained(tmp_path / "a", lora=peft_model)
+    return ScorerAdapter.for_model(tiny_model("llama")).save_pretrained(
+        tmp_path / "a", lora=peft_model
+    )
 
 
 def test_a_lora_missing_factors_or_edited_is_refused(tmp_path):

@@ -174,6 +174,10 @@ class AdapterConfig:
     """Head module per layer: "linear" or "mlp"."""
     hidden: int = 64
     """Width of the MLP's hidden layer (unused for "linear")."""
+    ensemble: int = 1
+    """Number of heads whose logits are averaged (`TrainedScorer.ensemble` joins k adapters
+    trained apart, e.g. with k head seeds); their weights are checked like one head's. 1 = one
+    head. Written to `config.json` only when > 1, so single heads stay readable by sparsekv 0.1.0."""
     target: dict[str, Any] = field(default_factory=lambda: TargetConfig().to_dict())
     """The teacher target definition (`TargetConfig.to_dict()`)."""
     recency: float = 0.0
@@ -226,7 +230,7 @@ class AdapterConfig:
     dataset_name, metric_type, metric_value, ...), written into the model card's metadata."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "hidden"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "hidden", "ensemble"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
@@ -309,6 +313,8 @@ class AdapterConfig:
         d = asdict(self)
         for k in POLICY_DEFAULTS:
             d.pop(k)
+        if d["ensemble"] == 1:  # a later field left at its default is not written
+            d.pop("ensemble")
         uses = check_uses(self.uses, self.settings("aware"))  # refuses "aware" among them
         # a later setting left off is not written, so older readers still load the folder
         d["uses"] = {"aware": without_later_defaults(self.settings("aware")), **uses}
@@ -395,6 +401,7 @@ def expected_shapes(config: AdapterConfig) -> dict[str, tuple[int, ...]]:
                 config.layers,
                 kind=config.kind,
                 hidden=config.hidden,
+                members=config.ensemble,
             )
     except RuntimeError as e:  # sizes whose element count overflows
         raise ValueError(f"the config's dimensions are too large for a head ({e})") from e
@@ -485,7 +492,7 @@ _TMP = ".tmp-"
 
 
 def _temp_of(name: str, allowed: frozenset[str]) -> bool:
-    """Whether `name` is a temporary file of a save (`.NAME.tmp-PID-XXXX`) for a name in `allowed`."""
+    """Whether `name` is a save's temporary file (`.NAME.tmp-PID-XXXX`) of a name in `allowed`."""
     if not name.startswith(".") or _TMP not in name:
         return False
     return name[1:].split(_TMP, 1)[0] in allowed
@@ -613,7 +620,8 @@ def write_folder(
             shutil.rmtree(tmp, ignore_errors=True)
     foreign = foreign_files(target)
     if foreign and not overwrite:
-        shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        more = f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
+        shown = ", ".join(foreign[:8]) + more
         raise ValueError(
             f"save_directory={str(target)!r} is not an adapter folder: it holds {shown}, which "
             "an adapter does not write. Nothing was written or removed; save into a new (or "

@@ -39,12 +39,12 @@ from sparsekv.models.families import ModelShape, model_shape, text_config
 from sparsekv.scoring.files import (
     CARD_NAME,
     CONFIG_NAME,
+    DIGEST_KEY,
     LEGACY_CONFIG_NAME,
     LEGACY_WEIGHTS_NAME,
     LORA_DIR,
     POLICY_DEFAULTS,
     WEIGHTS_NAME,
-    DIGEST_KEY,
     AdapterConfig,
     adapter_files,
     folder_files,
@@ -160,6 +160,11 @@ class TrainedScorer:
                 f"head (hidden_size={head.hidden_size}, hidden={head.hidden}) does not match "
                 f"config (hidden_size={config.hidden_size}, hidden={config.hidden})"
             )
+        if getattr(head, "members", 1) != config.ensemble:
+            raise ValueError(
+                f"head (members={getattr(head, 'members', 1)}) does not match config "
+                f"(ensemble={config.ensemble})"
+            )
         self.head = head
         self.config = config
         self.lora: LoraWeights | None = None
@@ -213,6 +218,44 @@ class TrainedScorer:
             shape.hidden_size, shape.num_kv_heads, config.layers, kind=kind, hidden=hidden
         )
         return cls(head, config)
+
+    @classmethod
+    def ensemble(cls, scorers: Sequence[TrainedScorer]) -> TrainedScorer:
+        """One adapter whose head averages the logits of `scorers` (k >= 2 adapters trained apart
+        for one model, e.g. with k head seeds): same base model shape, layers, head kind and
+        width and target, else a ValueError naming the field. Settings, uses and the record come
+        from the first; `training_config` lists each member's. Adapters with a LoRA, or that
+        are ensembles themselves, are refused."""
+        import copy
+
+        scorers = list(scorers)
+        if len(scorers) < 2:
+            raise ValueError(f"an ensemble needs at least 2 adapters, got {len(scorers)}")
+        first = scorers[0].config
+        same = ("model_type", "num_layers", "num_kv_heads", "head_dim", "hidden_size", "layers",
+                "kind", "hidden", "target")
+        for i, s in enumerate(scorers):
+            if s.lora is not None:
+                raise ValueError(f"adapter {i} carries a LoRA: an ensemble averages heads only")
+            if s.config.ensemble != 1:
+                raise ValueError(f"adapter {i} is an ensemble itself (ensemble={s.config.ensemble})")
+            for name in same:
+                if getattr(s.config, name) != getattr(first, name):
+                    raise ValueError(
+                        f"adapter {i} has {name}={getattr(s.config, name)!r} but adapter 0 has "
+                        f"{getattr(first, name)!r}: an ensemble's heads share it"
+                    )
+        config = copy.deepcopy(first)
+        config.ensemble = len(scorers)
+        config.training_config = {"ensemble_of": [s.config.training_config for s in scorers]}
+        head = GatingHead(first.hidden_size, first.num_kv_heads, first.layers, kind=first.kind,
+                          hidden=first.hidden, members=len(scorers))
+        for layer in first.layers:
+            for m, s in enumerate(scorers):
+                head.heads[str(layer)].members[m].load_state_dict(
+                    s.head.heads[str(layer)].state_dict()
+                )
+        return cls(head.eval(), config)
 
     # ---- files ---------------------------------------------------------------------------
     def save_pretrained(
@@ -305,6 +348,7 @@ class TrainedScorer:
             config.layers,
             kind=config.kind,
             hidden=config.hidden,
+            members=config.ensemble,
         )
         try:
             head.load_state_dict(state, strict=True)
