@@ -57,10 +57,26 @@ def _layer_module(kind: str, hidden_size: int, num_kv_heads: int, hidden: int) -
     )
 
 
+class _Ensemble(nn.Module):
+    """`k` modules of one layer, trained apart; their logits are averaged."""
+
+    def __init__(self, members: list[nn.Module]):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.members[0](x)
+        for m in self.members[1:]:
+            out = out + m(x)
+        return out / len(self.members)
+
+
 class GatingHead(nn.Module):
     """One small scorer per budgeted layer, in an `nn.ModuleDict` keyed by `str(layer_idx)`.
 
-    Parameters are float32. State-dict keys are `heads.<layer>.<i>.weight|bias`.
+    Parameters are float32. State-dict keys are `heads.<layer>.<i>.weight|bias`; with `members`
+    k > 1 (an ensemble: k heads whose logits are averaged, each layer's score the mean of its k
+    modules' logits) they are `heads.<layer>.members.<m>.<i>.weight|bias`.
     """
 
     def __init__(
@@ -70,6 +86,7 @@ class GatingHead(nn.Module):
         layers: Sequence[int],
         kind: str = "mlp",
         hidden: int = 64,
+        members: int = 1,
     ):
         super().__init__()
         if kind not in KINDS:
@@ -78,6 +95,7 @@ class GatingHead(nn.Module):
             ("hidden_size", hidden_size),
             ("num_kv_heads", num_kv_heads),
             ("hidden", hidden),
+            ("members", members),
         ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
@@ -91,9 +109,16 @@ class GatingHead(nn.Module):
         self.layers = sorted(layers)
         self.kind = kind
         self.hidden = hidden
-        self.heads = nn.ModuleDict(
-            {str(i): _layer_module(kind, hidden_size, num_kv_heads, hidden) for i in self.layers}
-        )
+        self.members = members
+
+        def layer_module() -> nn.Module:
+            if members == 1:
+                return _layer_module(kind, hidden_size, num_kv_heads, hidden)
+            return _Ensemble(
+                [_layer_module(kind, hidden_size, num_kv_heads, hidden) for _ in range(members)]
+            )
+
+        self.heads = nn.ModuleDict({str(i): layer_module() for i in self.layers})
 
     def forward_layer(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states `(batch, seq, hidden)` -> logits `(batch, kv_heads, seq)` (float32)."""
@@ -118,4 +143,5 @@ class GatingHead(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind!r}, hidden={self.hidden}, layers={self.layers}, kv_heads={self.num_kv_heads}"
+        members = f", members={self.members}" if self.members > 1 else ""
+        return f"kind={self.kind!r}, hidden={self.hidden}, layers={self.layers}, kv_heads={self.num_kv_heads}{members}"
