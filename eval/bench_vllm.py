@@ -13,8 +13,9 @@ questions, budget `--budget`, and sparsekv's own greedy answers and their time, 
 question: `CompressedContext.generate`) and DIR/<dtype>/resident-<L> (`--docs` documents of L
 tokens for each `--doc-lengths`, compressed, no answers).
 
-`serve` starts one engine (`VLLM_CPU_KVCACHE_SPACE`=`--kv-space` GiB, prefix caching on, the
-`SparseKVConnector`) and writes rows:
+`serve` starts one engine (a fixed KV-cache size of `--kv-space` GiB: `kv_cache_memory_bytes`, what
+`VLLM_CPU_KVCACHE_SPACE` sets in whole GiB; prefix caching on; the `SparseKVConnector`) and writes
+rows:
 
 - `answers`: answers per second for the questions against the one context, asked as one batch
   after a first question has made the context resident (prefix cache warm), for `vllm_compressed`
@@ -28,9 +29,11 @@ tokens for each `--doc-lengths`, compressed, no answers).
   = the pool's blocks / the blocks one document holds when its request ends (summed over vLLM's
   KV-cache groups, from the connector's records).
 
-Timings on a shared machine are noisy; rows name the machine (`machine`) and the settings. The
-same script runs on a GPU: `serve --device cuda --kv-space` is then `gpu_memory_utilization`'s
-share, and `--length`/`--doc-lengths`/`--docs` scale up (e.g. 32K contexts, 64 documents).
+Timings on a shared machine are noisy; rows name the machine (`machine`) and the settings. Sized
+for a GPU: the same two commands with vLLM 0.32.0's CUDA build in the second environment and larger
+sizes, e.g. `--length 32768 --doc-lengths 32768 131072 --docs 64 --kv-space 20 --dtype bfloat16`
+(the connector writes through the attention backend's own cache write, so it is not CPU-specific;
+not run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -93,7 +96,9 @@ def _stats(path: Path) -> list[dict]:
 
 
 def serve(args) -> int:
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_space)
+    # the fixed KV-cache size: kv_cache_memory_bytes is what VLLM_CPU_KVCACHE_SPACE sets, in bytes
+    # (the variable takes whole GiB only); leave the variable unset so it does not override it
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     # vLLM's CPU worker drops to one thread below OMP_NUM_THREADS' default; sparsekv's own answers
     # (prepare) run with torch's default, all cores: give vLLM the same
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
@@ -111,6 +116,7 @@ def serve(args) -> int:
     max_len = max([args.length, *args.doc_lengths]) + 256
     t0 = time.perf_counter()
     llm = LLM(model=ans["model"], dtype=args.dtype, max_model_len=max_len, seed=0,
+              kv_cache_memory_bytes=int(args.kv_space * 2**30), enforce_eager=args.eager,
               **engine_kwargs(stats_path=stats))
     start_s = time.perf_counter() - t0
     pool = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
@@ -118,7 +124,7 @@ def serve(args) -> int:
              "vllm": __import__("vllm").__version__, "pool_blocks": pool,
              "engine_start_s": round(start_s, 1), "budget": args.budget, "schedule": "uniform",
              "adapter": ans["adapter"], "max_new_tokens": args.max_new_tokens,
-             "torch_threads": __import__("torch").get_num_threads()}
+             "torch_threads": __import__("torch").get_num_threads(), "eager": args.eager}
     greedy = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
 
     # ---- answers per second, one context, many questions
@@ -177,7 +183,7 @@ def serve(args) -> int:
                 llm.reset_prefix_cache()
                 before = len(_stats(stats))
 
-                def ask(d):
+                def ask(d, mode=mode):
                     q = d["questions"][0]["ids"]
                     if mode == "vllm_full":
                         return llm.generate([{"prompt_token_ids": d["context_ids"] + q}], one)
@@ -226,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--doc-lengths", type=int, nargs="*", default=[4096])
     sub.choices["serve"].add_argument("--out", required=True)
     sub.choices["serve"].add_argument("--kv-space", type=float, default=0.25,
-                                      help="VLLM_CPU_KVCACHE_SPACE, GiB")
+                                      help="the KV-cache size, GiB (kv_cache_memory_bytes)")
+    sub.choices["serve"].add_argument("--eager", action="store_true",
+                                      help="enforce_eager (no torch.compile warm-up)")
     for name in ("prepare", "serve"):
         sub.choices[name].add_argument("--only", nargs="+", default=["answers", "resident"],
                                        choices=["answers", "resident"])

@@ -78,7 +78,7 @@ def ask_many(
     from sparsekv.serving.vllm.connector import PARAM
 
     if isinstance(questions, str):
-        raise ValueError("questions must be a list (got one string)")
+        raise TypeError("questions must be a list (got one string)")
     cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     kv = getattr(cfg, "kv_transfer_config", None)
     if kv is None or kv.kv_connector not in ("SparseKVConnector", "SparseKVConnectorOneGroup"):

@@ -32,14 +32,14 @@ from sparsekv.serving.vllm import _patch_vllm_0_32 as _patch
 
 _patch.check_version()
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
 
-from sparsekv.serving.vllm.context import load_context  # noqa: E402
+from sparsekv.serving.vllm.context import load_context
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

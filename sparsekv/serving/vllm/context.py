@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SavedContext", "load_context", "PLACEHOLDER_RANGE"]
+__all__ = ["PLACEHOLDER_RANGE", "SavedContext", "load_context"]
 
 TENSORS_FILE = "context.safetensors"
 META_FILE = "context.json"
