@@ -205,6 +205,7 @@ def test_check_names_missing_layers_and_signals(built):
         ([], "pack"),  # signal=questions, the tiny config's defaults
         (["target.signal=both", "target.stat=max", "target.source_layers=all_budgeted"], "pad"),
         (["target.signal=reconstruction", "target.kind=kvzip_plus"], "pack"),
+        (["target.signal=reconstruction"], "pad"),  # mass, length-normalized
     ],
 )
 def test_training_from_the_store_gives_the_losses_of_training_from_the_model(
@@ -238,3 +239,21 @@ def test_int8_encoding_round_trips_within_a_step():
     back = ts.decode_hidden(enc, 2)
     step = h.abs().amax(-1, keepdim=True) / 127
     assert ((back - h).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("stat", ["mass", "max"])
+@pytest.mark.parametrize("normalize", ["none", "length", "uniform"])
+def test_the_shared_softmax_equals_the_two_statistics(stat, normalize):
+    from sparsekv.teacher.reconstruction import kvzip_plus_received
+    from sparsekv.teacher.statistics import attention_received
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 8, generator=g) for h, n in ((4, 5), (2, 13), (2, 13)))
+    hidden, o = torch.randn(1, 5, 16, generator=g), torch.randn(16, 32, generator=g)
+    common = {"scaling": 0.35, "softcap": 20.0, "num_kv_groups": 2, "block_size": 2}
+    r, z = ts.repeat_received(q, k, v, hidden, o, stat=stat, normalize=normalize, **common)
+    want_r = attention_received(q, k, stat=stat, normalize=normalize, exclude_self=False, **common)
+    want_z = kvzip_plus_received(q, k, v, hidden, o, **common)
+    torch.testing.assert_close(r, want_r)
+    torch.testing.assert_close(z, want_z)
+    assert ts.repeat_received(q, k, None, None, None, kvzip_plus=False, **common)[1] is None

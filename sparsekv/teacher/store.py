@@ -236,6 +236,86 @@ class StoreSpec:
 
 
 @torch.no_grad()
+def repeat_received(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    hidden: torch.Tensor | None,
+    o_weight: torch.Tensor | None,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    num_kv_groups: int,
+    block_size: int = 512,
+    stat: str = "mass",
+    normalize: str = "none",
+    reconstruction: bool = True,
+    kvzip_plus: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The repeated copy's two statistics from one softmax per block: `(reconstruction,
+    kvzip_plus)`, each `(batch, kv_heads, seq)` float32 or None when not asked for.
+
+    Equal (to float rounding) to `attention_received(query, key, stat=stat, normalize=normalize,
+    exclude_self=False, ...)` and `kvzip_plus_received(query, key, value, hidden, o_weight, ...)`
+    of `sparsekv.teacher`, which compute the same logits and softmax once each: query `(batch,
+    heads, q, head_dim)` are the copy's queries at positions `seq - q ..`, causal, no window, no
+    padding. Extra memory O(batch x heads x block x seq)."""
+    from sparsekv.teacher.reconstruction import _value_output_norms
+
+    b, hq, q_len, d = query.shape
+    _, hk, n, _ = key.shape
+    g = num_kv_groups
+    if hq != hk * g:
+        raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} do not match")
+    offset = n - q_len
+    dev = query.device
+    out_r = torch.zeros(b, hk, n, dtype=torch.float32, device=dev) if reconstruction else None
+    out_z = torch.zeros(b, hk, n, dtype=torch.float32, device=dev) if kvzip_plus else None
+    per_query = normalize in ("length", "uniform") and stat == "mass"
+    count = torch.zeros(n, dtype=torch.float32, device=dev) if reconstruction and per_query else None
+    if kvzip_plus:
+        wov = _value_output_norms(value, o_weight, g).view(b, hk, g, 1, n)
+        inv_h = 1.0 / hidden.float().norm(dim=-1).clamp_min(1e-12)  # (b, q)
+    kf = key.float()
+    positions = torch.arange(n, device=dev)
+    for s in range(0, q_len, block_size):
+        e = min(s + block_size, q_len)
+        hi = offset + e
+        qpos = positions[offset + s : hi]
+        allowed = positions[None, :hi] <= qpos[:, None]  # (B, K)
+        qb = query[:, :, s:e].float().reshape(b, hk, g * (e - s), d)
+        logits = torch.matmul(qb, kf[:, :, :hi].transpose(-1, -2)).mul_(scaling)
+        logits = logits.view(b, hk, g, e - s, hi)
+        if softcap is not None:
+            logits.div_(softcap).tanh_().mul_(softcap)
+        logits.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        probs = torch.softmax(logits, dim=-1)
+        del logits
+        probs.masked_fill_(~allowed, 0.0)
+        if kvzip_plus:
+            z = probs * inv_h[:, None, None, s:e, None]
+            z.mul_(wov[..., :hi])
+            out_z[:, :, :hi] = torch.maximum(out_z[:, :, :hi], z.amax(dim=(2, 3)))
+            del z
+        if reconstruction:
+            if normalize == "uniform":
+                probs.mul_(allowed.sum(-1).to(torch.float32)[:, None])
+            a = probs.sum(2)  # (b, hk, B, K)
+            if stat == "mass":
+                out_r[:, :, :hi] += a.sum(-2)
+            else:
+                out_r[:, :, :hi] = torch.maximum(out_r[:, :, :hi], a.amax(-2))
+            if count is not None:
+                count[:hi] += allowed.sum(0).to(torch.float32)
+            del a
+        del probs
+    if count is not None:
+        c = count.view(1, 1, n)
+        out_r = torch.where(c > 0, out_r / c.clamp_min(1.0), torch.zeros_like(out_r))
+    return out_r, out_z
+
+
+@torch.no_grad()
 def compute_row(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -250,7 +330,7 @@ def compute_row(
     `c`, or over `c + repeat prompt + copy` when a repeat signal is stored."""
     from sparsekv.models.families import model_shape, text_config
     from sparsekv.teacher.forward import layer_scaling, teacher_forward
-    from sparsekv.teacher.reconstruction import kvzip_plus_received, reconstruction_layout
+    from sparsekv.teacher.reconstruction import reconstruction_layout
     from sparsekv.teacher.statistics import attention_received
 
     shape = model_shape(model)
@@ -288,24 +368,23 @@ def compute_row(
                 min_distance=settings["min_distance"],
                 **common,
             )
-        if layer in r_layers:
-            got[f"reconstruction.{layer}"] = attention_received(
-                query[:, :, copy_start:],
-                key,
-                stat=settings["stat"],
-                normalize=settings["normalize"],
-                exclude_self=False,
-                **common,
-            )[..., :m]
-        if layer in z_layers:
-            got[f"kvzip_plus.{layer}"] = kvzip_plus_received(
+        if layer in r_layers or layer in z_layers:  # one softmax serves both
+            r, z = repeat_received(
                 query[:, :, copy_start:],
                 key,
                 value,
                 hidden[:, copy_start:],
                 module.o_proj.weight,
+                stat=settings["stat"],
+                normalize=settings["normalize"],
+                reconstruction=layer in r_layers,
+                kvzip_plus=layer in z_layers,
                 **common,
-            )[..., :m]
+            )
+            if r is not None:
+                got[f"reconstruction.{layer}"] = r[..., :m]
+            if z is not None:
+                got[f"kvzip_plus.{layer}"] = z[..., :m]
 
     device = next(model.parameters()).device
     hidden = teacher_forward(
