@@ -25,9 +25,12 @@ rows:
   `agree_with_sparsekv`: how many of vLLM's compressed answers equal sparsekv's own.
 - `resident`: documents asked one after the other (one question each), then asked again newest
   first: `resident_measured` = how many of the newest were still in the prefix cache (their
-  context blocks hit: at least all full blocks of the K or N slots), against `resident_predicted`
-  = the pool's blocks / the blocks one document holds when its request ends (summed over vLLM's
-  KV-cache groups, from the connector's records).
+  context blocks hit: at least all full blocks of the K or N slots; capped by `docs_asked`),
+  against the pool's blocks / the blocks per document: `resident_predicted_held` with the blocks
+  a document's request holds when it ends (summed over vLLM's KV-cache groups, from the
+  connector's records), `resident_predicted_hit` with the blocks a later question needs to hit
+  (the context's full blocks in the full-attention group, the window's last
+  ceil((window - 1) / block) in each sliding one).
 
 Timings on a shared machine are noisy; rows name the machine (`machine`) and the settings. Sized
 for a GPU: the same two commands with vLLM 0.32.0's CUDA build in the second environment and larger
@@ -209,10 +212,19 @@ def serve(args) -> int:
                     resident += 1
                     mark = len(_stats(stats))
                 per_doc = sum(held) / max(1, len(held))
+                # the blocks a later question needs to hit: the context's full blocks in a
+                # full-attention group, the window's last cdiv(window - 1, block) in a sliding one
+                groups = next(r["groups"] for r in first if r["event"] == "finish")
+                ctx0 = load_context(docs[0]["contexts"][f"{args.budget:g}"]["path"])
+                slots = len(docs[0]["context_ids"]) if mode == "vllm_full" else ctx0.num_slots
+                hit = sum(slots // 128 if g == "FullAttentionSpec"
+                          else math.ceil((ctx0.sliding_window - 1) / 128) for g in groups)
                 _rows_out(out, {"bench": "resident", "mode": mode, **setup, "length": length,
                                 "docs_asked": len(docs), "resident_measured": resident,
-                                "blocks_per_doc": round(per_doc, 1),
-                                "resident_predicted": math.floor(pool / per_doc) if per_doc else None,
+                                "blocks_held_per_doc": round(per_doc, 1),
+                                "blocks_hit_per_doc": hit,
+                                "resident_predicted_held": math.floor(pool / per_doc),
+                                "resident_predicted_hit": math.floor(pool / hit),
                                 "seconds": round(time.perf_counter() - t, 1)})
     return 0
 

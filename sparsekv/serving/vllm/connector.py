@@ -206,6 +206,10 @@ class _SparseKVConnectorBase(KVConnectorBase_V1):
                     # per KV-cache group: the blocks the request holds when it ends (a sliding
                     # window's out-of-window blocks are the null block by then)
                     "held": [sum(1 for i in b if i != 0) for b in block_ids],
+                    "groups": [
+                        type(g.kv_cache_spec).__name__
+                        for g in self._kv_cache_config.kv_cache_groups
+                    ],
                 }
             )
 
