@@ -508,6 +508,23 @@ def test_tokenize_blocks_pack_and_pad():
         tokenize_blocks(tok, ["ab"], seq_len=64)
 
 
+def test_tokenize_blocks_fill_keeps_texts_whole_and_blocks_full():
+    tok = ByteTokenizer(128)
+    # blocks of BOS + 7: "abc"+EOS and "de"+EOS share one; "fghij"+EOS does not fit what is left
+    ids, mask = tokenize_blocks(tok, ["abc", "de", "fghij", "x" * 17], seq_len=8, packing="fill")
+    rows = [[int(t) for t, m in zip(r, k) if m] for r, k in zip(ids, mask)]
+    eos, bos = tok.eos_token_id, tok.bos_token_id
+    enc = {c: tok([c])["input_ids"][0][0] for c in "abcdefghijx"}
+    assert rows[0] == [bos, *[enc[c] for c in "abc"], eos, enc["d"], enc["e"], eos]
+    assert rows[1] == [bos, *[enc[c] for c in "fghij"], eos]
+    # 17 x's + EOS = 18 tokens: two blocks of 7, and the 4-token tail (>= 8 // 4) starts a block
+    assert rows[2] == [bos] + [enc["x"]] * 7 and rows[3] == rows[2]
+    assert rows[4] == [bos] + [enc["x"]] * 3 + [eos] and len(rows) == 5
+    assert ids.shape == (5, 8) and ids[4, 7] == tok.pad_token_id
+    with pytest.raises(ValueError, match="allowed values: pack, pad, fill"):
+        tokenize_blocks(tok, ["ab"], seq_len=4, packing="zip")
+
+
 def test_load_texts_reads_jsonl_and_parquet_and_builds_a_missing_file(tmp_path, corpus):
     import datasets
 

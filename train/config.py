@@ -25,7 +25,7 @@ import yaml
 from sparsekv.configfile import read_yaml_mapping, yaml_problem
 
 LOG_WITH = ("auto", "tensorboard", "none")
-PACKING = ("pack", "pad")
+PACKING = ("pack", "pad", "fill")
 HEAD_KINDS = ("mlp", "linear", "kvzap")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN = ("sdpa", "eager")
@@ -111,7 +111,10 @@ class TrainConfig:
     packing: str = "pack"
     """"pack": documents joined with EOS and cut into seq_len blocks (each opens with BOS);
     "pad": no sequence mixes documents; a long one continues in the next sequences and its last
-    piece is right-padded, so a retrieval sample that fits one sequence is never cut apart."""
+    piece is right-padded, so a retrieval sample that fits one sequence is never cut apart;
+    "fill": documents placed whole one after another, one that does not fit what is left of a
+    sequence starting the next (so no sample that fits is cut, and sequences are not mostly
+    padding where documents are short)."""
     batch_size: int = 1
     """Sequences per process per micro-step."""
     grad_accum: int = 1

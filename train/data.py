@@ -97,7 +97,11 @@ def tokenize_blocks(
     block prefixed with BOS (when the tokenizer has one); the tail shorter than a block is
     dropped. "pad": no block mixes texts: each text fills BOS + seq_len - 1 tokens per block,
     its last block right-padded with the pad id (a tail under seq_len / 4 tokens is dropped
-    unless it is the whole text), so a sample that fits one block stays whole.
+    unless it is the whole text), so a sample that fits one block stays whole. "fill": texts
+    (each followed by EOS) placed whole one after another in a block, a text that does not fit
+    what is left starting the next block (the rest padded); a text longer than a block fills
+    blocks of its own and its tail (dropped under seq_len / 4 tokens) starts the next one: no
+    text that fits a block is cut, and blocks are not mostly padding.
     """
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
@@ -111,6 +115,28 @@ def tokenize_blocks(
         n = len(stream) // body
         rows = [prefix + stream[i * body : (i + 1) * body] for i in range(n)]
         mask = [[1] * seq_len for _ in rows]
+    elif packing == "fill":
+        rows, mask = [], []
+        cur: list[int] = []
+
+        def flush() -> None:
+            if cur:
+                rows.append(prefix + cur + [pad] * (body - len(cur)))
+                mask.append([1] * (len(prefix) + len(cur)) + [0] * (body - len(cur)))
+                cur.clear()
+
+        for x in ids:
+            doc = x + ([eos] if eos is not None else [])
+            if len(cur) + len(doc) > body:
+                flush()
+            while len(doc) > body:  # longer than a block: whole blocks of its own
+                cur.extend(doc[:body])
+                flush()
+                doc = doc[body:]
+                if len(prefix) + len(doc) < max(1, seq_len // 4):
+                    doc = []  # a short tail alone: too little context to rank
+            cur.extend(doc)
+        flush()
     elif packing == "pad":
         rows, mask = [], []
         for x in ids:
@@ -121,7 +147,7 @@ def tokenize_blocks(
                 rows.append(r + [pad] * (seq_len - len(r)))
                 mask.append([1] * len(r) + [0] * (seq_len - len(r)))
     else:
-        raise ValueError(f"packing={packing!r} is not supported; allowed values: pack, pad")
+        raise ValueError(f"packing={packing!r} is not supported; allowed values: pack, pad, fill")
     if not rows:
         raise ValueError(
             f"the dataset yields no sequence of seq_len={seq_len} tokens; use more text or a smaller seq_len"
