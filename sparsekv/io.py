@@ -21,18 +21,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "read_jsonl", "write_atomic"]
+__all__ = ["atomic_path", "fsync_path", "read_jsonl", "write_atomic"]
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's data, or a folder's entries (a rename into it), to disk. A file that cannot
+    be flushed raises; a folder is best effort (some platforms cannot open or flush one)."""
+    path = Path(path)
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # not every platform opens folders
-        return
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if path.is_dir():
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if not path.is_dir():
+            raise
     finally:
         os.close(fd)
 
@@ -52,7 +58,7 @@ def atomic_path(path: str | os.PathLike, mode: int = 0o644) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_path(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -313,7 +313,7 @@ def test_a_torn_last_line_is_dropped_with_a_warning_and_the_rest_kept(tmp_path, 
 
 
 def test_config_yaml_is_written_atomically(tmp_path, monkeypatch):
-    from sparsekv.evaluation.rows.store import folder
+    from sparsekv.evaluation.rows import folder
 
     out = tmp_path / "x"
     assert main([*_grid("0.3"), "--out", str(out)]) == 0

@@ -56,6 +56,7 @@ import torch
 
 from sparsekv.config import LEARNED_SETTINGS, check_learned_settings, without_later_defaults
 from sparsekv.configfile import from_fields
+from sparsekv.io import fsync_path
 from sparsekv.scoring.head import KINDS, GatingHead
 from sparsekv.teacher.statistics import TargetConfig
 
@@ -534,19 +535,6 @@ def foreign_files(folder: Path) -> list[str]:
     return out
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # platforms without directory handles
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _stage(dest: Path, data: bytes) -> Path:
     """`data` written and fsynced into a temporary file beside `dest` (same folder, so that
     `os.replace` onto `dest` is atomic)."""
@@ -612,7 +600,7 @@ def write_folder(
             if target.exists():  # another save made it meanwhile: write into it instead
                 raise FileExistsError(target)
             os.rename(tmp, target)
-            _fsync_dir(target.parent)
+            fsync_path(target.parent)
             return target
         except FileExistsError:
             pass
@@ -640,7 +628,7 @@ def write_folder(
         for tmp, dest in staged:
             os.replace(tmp, dest)
         for folder in {dest.parent for _, dest in staged}:
-            _fsync_dir(folder)
+            fsync_path(folder)
     finally:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)

@@ -50,6 +50,7 @@ import torch
 from sparsekv.cache import SparseKVCache
 from sparsekv.cache.state import model_dtype, model_fingerprint, restore, snapshot
 from sparsekv.config import EvictionConfig
+from sparsekv.io import fsync_path
 from sparsekv.models.families import model_shape
 from sparsekv.policies import Policy, available
 from sparsekv.policies import get as get_policy
@@ -223,23 +224,6 @@ _IN_PROGRESS: set[str] = set()
 """Names of the temporary and aside folders of this process's saves now running."""
 
 
-def _fsync(path: Path) -> None:
-    """fsync a file or a folder (best effort for folders: some platforms cannot open them)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        if path.is_dir():
-            return
-        raise
-    try:
-        os.fsync(fd)
-    except OSError:
-        if not path.is_dir():
-            raise
-    finally:
-        os.close(fd)
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Swap the folders `a` and `b` in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`);
     False when this system or file system cannot (the caller then renames twice)."""
@@ -303,7 +287,7 @@ def recover(path: str | os.PathLike) -> None:
         if complete:
             back = max(complete, key=lambda p: p.stat().st_mtime)
             os.rename(back, final)
-            _fsync(parent)
+            fsync_path(parent)
             found["old"].remove(back)
     for p in found["tmp"] + found["old"]:
         shutil.rmtree(p, ignore_errors=True)
@@ -436,8 +420,8 @@ class CompressedContext:
             save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "sparsekv-context"})
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
             for name in (TENSORS_FILE, META_FILE):
-                _fsync(tmp / name)
-            _fsync(tmp)
+                fsync_path(tmp / name)
+            fsync_path(tmp)
             if not final.exists():
                 os.rename(tmp, final)  # atomic: no folder, then the complete one
             elif not _exchange(tmp, final):
@@ -449,11 +433,11 @@ class CompressedContext:
                 try:
                     os.rename(final, old)
                     os.rename(tmp, final)
-                    _fsync(final.parent)
+                    fsync_path(final.parent)
                     shutil.rmtree(old, ignore_errors=True)
                 finally:
                     _IN_PROGRESS.discard(old.name)
-            _fsync(final.parent)
+            fsync_path(final.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # after an exchange it holds the old context
             _IN_PROGRESS.discard(tmp.name)

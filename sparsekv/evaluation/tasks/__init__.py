@@ -44,8 +44,11 @@ from sparsekv.evaluation.tasks.base import (
 
 # The registry's order (`sparsekv eval --list`, the reports): the digit, multi-hop and qa
 # families, the word families, the language-model tasks, the decode-heavy tasks. Each module
-# registers its own tasks; this package imports them in that order.
-_FAMILY_MODULES = (needles, words, language, decode)
+# registers its own tasks when imported; the registry is put in this order once all are.
+_FAMILY_MODULES = tuple(m.__name__ for m in (needles, words, language, decode))
+_ordered = sorted(TASKS.items(), key=lambda item: _FAMILY_MODULES.index(item[1].builder.__module__))
+TASKS.clear()
+TASKS.update(_ordered)
 
 TEMPLATES: tuple[str, ...] = (
     *needles.PASSKEY, needles.MAGIC_NEEDLE, *needles.MULTIKEY, *needles.MULTIVALUE,
