@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "fsync_path", "read_jsonl", "write_atomic"]
+__all__ = ["atomic_path", "fsync_path", "pid_alive", "read_jsonl", "write_atomic"]
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -41,6 +41,21 @@ def fsync_path(path: str | os.PathLike) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (this process counts as running; a process of another user
+    that cannot be signalled counts too): a temporary file named after a gone process is a
+    killed write's."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 @contextmanager

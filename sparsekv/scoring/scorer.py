@@ -52,8 +52,8 @@ from sparsekv.scoring.files import (
     read_config,
     read_weights,
     tensors_digest,
-    write_folder,
 )
+from sparsekv.scoring.folder import write_folder
 from sparsekv.scoring.head import GatingHead
 from sparsekv.scoring.lora import LoraWeights, as_lora
 from sparsekv.teacher.statistics import TargetConfig, default_layers

@@ -50,7 +50,7 @@ import torch
 from sparsekv.cache import SparseKVCache
 from sparsekv.cache.state import model_dtype, model_fingerprint, restore, snapshot
 from sparsekv.config import EvictionConfig
-from sparsekv.io import fsync_path
+from sparsekv.io import fsync_path, pid_alive
 from sparsekv.models.families import model_shape
 from sparsekv.policies import Policy, available
 from sparsekv.policies import get as get_policy
@@ -250,20 +250,10 @@ def _leftover(name: str, base: str) -> str | None:
             pid = name[len(prefix) :].split("-", 1)[0]
             if not pid.isdigit() or name in _IN_PROGRESS:
                 return None
-            if int(pid) != os.getpid() and _alive(int(pid)):
+            if int(pid) != os.getpid() and pid_alive(int(pid)):
                 return None
             return kind
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def recover(path: str | os.PathLike) -> None:

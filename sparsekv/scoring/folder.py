@@ -1,0 +1,162 @@
+"""Writing an adapter folder without ever removing a file it did not write: a new folder as a
+temporary sibling renamed into place; an existing adapter's folder file by file (each staged,
+fsynced, then moved over the old one); a folder holding anything else is refused unless told to
+overwrite. Temporary files of killed saves are removed. What the files hold is
+`sparsekv.scoring.files`'s."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from sparsekv.io import fsync_path, pid_alive
+from sparsekv.scoring.files import (
+    CARD_NAME,
+    CONFIG_NAME,
+    LEGACY_CONFIG_NAME,
+    LEGACY_WEIGHTS_NAME,
+    LORA_DIR,
+    WEIGHTS_NAME,
+)
+
+ADAPTER_NAMES = frozenset(
+    (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME)
+)
+"""What an adapter folder may hold at its top level besides the `LORA_DIR` subfolder (format 2
+and format 1 names; `save_pretrained` writes the format-2 ones and leaves the others)."""
+LORA_NAMES = frozenset(("adapter_config.json", "adapter_model.safetensors", CARD_NAME))
+"""What the `LORA_DIR` subfolder (a PEFT folder) may hold."""
+_TMP = ".tmp-"
+
+
+def _temp_of(name: str, allowed: frozenset[str]) -> bool:
+    """Whether `name` is a save's temporary file (`.NAME.tmp-PID-XXXX`) of a name in `allowed`."""
+    if not name.startswith(".") or _TMP not in name:
+        return False
+    return name[1:].split(_TMP, 1)[0] in allowed
+
+
+def _stale(name: str) -> bool:
+    """A temporary name (`...tmp-PID-XXXX`) whose writing process is gone (a killed save)."""
+    pid = name.rsplit(_TMP, 1)[-1].split("-", 1)[0]
+    return pid.isdigit() and not pid_alive(int(pid))
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """The entries of an existing `folder` that are not an adapter's (`ADAPTER_NAMES`, a
+    `LORA_DIR` subfolder of `LORA_NAMES`, the temporary files of a save), relative to it."""
+    out = []
+    for p in sorted(Path(folder).iterdir()):
+        if p.name == LORA_DIR and p.is_dir() and not p.is_symlink():
+            out += [
+                f"{LORA_DIR}/{q.name}"
+                for q in sorted(p.iterdir())
+                if not (
+                    (q.name in LORA_NAMES and q.is_file()) or _temp_of(q.name, LORA_NAMES)
+                )
+            ]
+        elif not ((p.name in ADAPTER_NAMES and p.is_file()) or _temp_of(p.name, ADAPTER_NAMES)):
+            out.append(p.name + ("/" if p.is_dir() else ""))
+    return out
+
+
+def _stage(dest: Path, data: bytes) -> Path:
+    """`data` written and fsynced into a temporary file beside `dest` (same folder, so that
+    `os.replace` onto `dest` is atomic)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}{_TMP}{os.getpid()}-", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def _remove_stale_temps(folder: Path) -> None:
+    """Temporary files and folders that killed saves left in `folder` (and its `LORA_DIR`)."""
+    for where, allowed in ((folder, ADAPTER_NAMES), (folder / LORA_DIR, LORA_NAMES)):
+        if not where.is_dir():
+            continue
+        for p in where.iterdir():
+            if _temp_of(p.name, allowed) and _stale(p.name):
+                p.unlink(missing_ok=True)
+
+
+def write_folder(
+    target: Path, files: dict[str, bytes], overwrite: bool = False
+) -> Path:
+    """Write an adapter folder: `files` maps a path relative to `target` (`config.json`,
+    `lora/adapter_model.safetensors`, ...) to its bytes. Returns `target`.
+
+    A new folder is filled as a temporary sibling and renamed into place (a reader sees no
+    folder or the complete one). Into an existing folder, each file is written to a temporary
+    file beside it, fsynced, and moved over the old one with `os.replace`, all of them staged
+    before the first is replaced; nothing else in the folder is touched, so saving never
+    removes a file it did not write (a `lora/` of an earlier save stays, unnamed by the new
+    config, when the new adapter has none). An existing folder that holds anything but an
+    adapter's files (`foreign_files`: a training run's `step-*/`, `metrics.jsonl`, ...) is
+    refused with a ValueError naming them, unless `overwrite=True`, which writes the adapter's
+    files beside them and leaves them as they are. Temporary files of killed saves are removed."""
+    target = Path(target).expanduser()
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"save_directory={str(target)!r} exists and is not a folder")
+    if not isinstance(overwrite, bool):
+        raise ValueError(f"overwrite={overwrite!r} must be True or False")
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for p in target.parent.iterdir():
+            if p.name.startswith(f".{target.name}{_TMP}") and p.is_dir() and _stale(p.name):
+                # the temporary folder of a killed save
+                shutil.rmtree(p, ignore_errors=True)
+        tmp = Path(
+            tempfile.mkdtemp(prefix=f".{target.name}{_TMP}{os.getpid()}-", dir=target.parent)
+        )
+        try:
+            os.chmod(tmp, 0o755)
+            for rel, data in files.items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_bytes(data)
+                with open(tmp / rel, "rb+") as f:
+                    os.fsync(f.fileno())
+            if target.exists():  # another save made it meanwhile: write into it instead
+                raise FileExistsError(target)
+            os.rename(tmp, target)
+            fsync_path(target.parent)
+            return target
+        except FileExistsError:
+            pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    foreign = foreign_files(target)
+    if foreign and not overwrite:
+        more = f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
+        shown = ", ".join(foreign[:8]) + more
+        raise ValueError(
+            f"save_directory={str(target)!r} is not an adapter folder: it holds {shown}, which "
+            "an adapter does not write. Nothing was written or removed; save into a new (or "
+            "an adapter's) folder, or pass overwrite=True to write the adapter's files beside "
+            "them (they are left as they are)"
+        )
+    _remove_stale_temps(target)
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for rel, data in files.items():
+            dest = target / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dest.is_dir():
+                raise ValueError(f"{dest} is a folder; the adapter writes a file there")
+            staged.append((_stage(dest, data), dest))
+        for tmp, dest in staged:
+            os.replace(tmp, dest)
+        for folder in {dest.parent for _, dest in staged}:
+            fsync_path(folder)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+    return target
