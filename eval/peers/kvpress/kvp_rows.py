@@ -42,7 +42,7 @@ def load_harness_metrics(src: Path = EVAL_SRC):
 def harness_row_fields(src: Path = EVAL_SRC) -> tuple[str, ...]:
     """`ROW_FIELDS` of the harness's row store (`sparsekv/evaluation/rows/store.py`), read from its
     source (not imported: the harness needs a newer transformers than kvpress accepts)."""
-    for name in ("rows.py", "runner.py"):
+    for name in ("rows/store.py", "rows.py", "runner.py"):
         if not (src / name).is_file():
             continue
         tree = ast.parse((src / name).read_text())
@@ -51,7 +51,7 @@ def harness_row_fields(src: Path = EVAL_SRC) -> tuple[str, ...]:
                 getattr(t, "id", None) == "ROW_FIELDS" for t in node.targets
             ):
                 return tuple(ast.literal_eval(node.value))
-    raise ValueError(f"no ROW_FIELDS in {src / 'rows.py'} or {src / 'runner.py'}")
+    raise ValueError(f"no ROW_FIELDS in {src / 'rows' / 'store.py'}")
 
 
 def new_row(
