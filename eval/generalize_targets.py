@@ -320,7 +320,7 @@ def judge(grid: Grid, budget: float, learned: str = LEARNED) -> tuple[list[str],
                f"{_iv(lom, him, _pts)}); no family more than {KVZIP_GAP * 100:.0f} points below: "
                f"{_verdict(verdicts['17_no_family_far_below'])}"
                + (" (" + ", ".join(f"{t} {_pts(d)}" for t, d in far) + ")" if far else "") + ". "
-               "Prefill cost (live prefills, not the grid's shared forks): README, \"The peers' prefill cost\".")
+               "Prefill cost (live prefills, not the grid's shared forks): docs/results/prefill-2k/README.md.")
     out.append("")
 
     # ---------------------------------------------------------------- issue 19: the LoRA row
