@@ -295,9 +295,9 @@ def test_huge_config_is_checked_against_the_header_before_allocating(tmp_path, m
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2**20, "hidden": 2**16}))
     built = []
-    real = adapter_module.GatingHead
+    real = adapter_module.head_for  # where from_pretrained allocates the head
     monkeypatch.setattr(
-        adapter_module, "GatingHead", lambda *a, **k: built.append(a) or real(*a, **k)
+        adapter_module, "head_for", lambda *a, **k: built.append(a) or real(*a, **k)
     )
     with pytest.raises(
         ValueError,

@@ -388,18 +388,23 @@ def read_config(path: Path, version: int) -> AdapterConfig:
         raise ValueError(f"invalid {path}: {e}") from e
 
 
+def head_for(config: AdapterConfig) -> GatingHead:
+    """A fresh `GatingHead` of the shape `config` records (on torch's current default device)."""
+    return GatingHead(
+        config.hidden_size,
+        config.num_kv_heads,
+        config.layers,
+        kind=config.kind,
+        hidden=config.hidden,
+        members=config.ensemble,
+    )
+
+
 def expected_shapes(config: AdapterConfig) -> dict[str, tuple[int, ...]]:
     """The head's state-dict shapes for `config`, built on the meta device (allocates nothing)."""
     try:
         with torch.device("meta"):
-            head = GatingHead(
-                config.hidden_size,
-                config.num_kv_heads,
-                config.layers,
-                kind=config.kind,
-                hidden=config.hidden,
-                members=config.ensemble,
-            )
+            head = head_for(config)
     except RuntimeError as e:  # sizes whose element count overflows
         raise ValueError(f"the config's dimensions are too large for a head ({e})") from e
     return {k: tuple(v.shape) for k, v in head.state_dict().items()}

@@ -49,6 +49,7 @@ from sparsekv.scoring.files import (
     adapter_files,
     folder_files,
     hash_tensors,
+    head_for,
     read_config,
     read_weights,
     tensors_digest,
@@ -342,14 +343,7 @@ class TrainedScorer:
         config = read_config(config_path, version)
         # the header is checked before any tensor is read; format 2 always records a digest
         state = read_weights(weights_path, config, require_digest=version >= 2)
-        head = GatingHead(
-            config.hidden_size,
-            config.num_kv_heads,
-            config.layers,
-            kind=config.kind,
-            hidden=config.hidden,
-            members=config.ensemble,
-        )
+        head = head_for(config)
         try:
             head.load_state_dict(state, strict=True)
         except RuntimeError as e:
