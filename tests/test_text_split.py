@@ -74,11 +74,24 @@ ADDED_TRAIN_FAMILIES = ("metadata", "packages", "manpages")
 
 
 @pytest.fixture(scope="session")
-def added_train_windows() -> np.ndarray:
+def added_train_windows(tmp_path_factory) -> np.ndarray:
     """Every 64-character window of the training families added after the default corpus (all
-    of their text, not only what a build with a prose cap would take)."""
-    hashes = [window_hashes(text) for name in ADDED_TRAIN_FAMILIES for _, text in sources.read(name)]
-    return np.unique(np.concatenate(hashes))
+    of their text, not only what a build with a prose cap would take), read in a fresh process
+    as a corpus build reads them. (Read inside the full test session, after tests/test_static.py,
+    the families held gensim's downloader code, which a fresh process's do not: cause not found.)"""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("added") / "texts.json"
+    code = (
+        "import json, sys\nfrom sparsekv import sources\n"
+        f"texts = [t for n in {ADDED_TRAIN_FAMILIES!r} for _, t in sources.read(n)]\n"
+        "open(sys.argv[1], 'w', encoding='utf-8').write(json.dumps(texts))\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True)
+    texts = json.loads(out.read_text(encoding="utf-8"))
+    return np.unique(np.concatenate([window_hashes(text) for text in texts]))
 
 
 def test_families_are_split_and_training_reads_only_its_own():
