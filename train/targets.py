@@ -20,7 +20,6 @@ stale is ever served. (`min_distance`, the decode-time option, is part of the ta
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,15 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekv.teacher.store import sha256_of
+
 FORMAT = 1
-
-
-def _sha(*parts: bytes) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
-    return h.hexdigest()
 
 
 def model_identity(model: nn.Module, base_id: str) -> dict[str, Any]:
@@ -50,7 +43,7 @@ def model_identity(model: nn.Module, base_id: str) -> dict[str, Any]:
         "base_id": base_id,
         "shape": model_shape(model).to_dict(),
         "dtype": str(next(model.parameters()).dtype),
-        "weights": _sha(first.numpy().tobytes()),
+        "weights": sha256_of(first.numpy().tobytes()),
     }
 
 
@@ -81,7 +74,7 @@ class TargetCache:
             "repeat_prompt_ids": None if repeat_prompt_ids is None else list(repeat_prompt_ids),
             "model": model,
         }
-        self.fingerprint = _sha(json.dumps(spec, sort_keys=True).encode())
+        self.fingerprint = sha256_of(json.dumps(spec, sort_keys=True).encode())
         self.folder = Path(folder) / self.fingerprint[:16]
         self.hits = 0
         self.misses = 0
@@ -91,7 +84,7 @@ class TargetCache:
         """sha256 of one row's `(seq,)` token ids and mask."""
         ids = input_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
         mask = attention_mask.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
-        return _sha(ids, mask)
+        return sha256_of(ids, mask)
 
     def path(self, key: str) -> Path:
         return self.folder / f"{key[:32]}.safetensors"

@@ -89,7 +89,8 @@ class StoreError(ValueError):
     """A store that cannot serve this use: other settings (named), a damaged row, no rows."""
 
 
-def _sha(*parts: bytes) -> str:
+def sha256_of(*parts: bytes) -> str:
+    """sha256 of `parts`, each prefixed by its length (so no two splits of the bytes collide)."""
     h = hashlib.sha256()
     for p in parts:
         h.update(len(p).to_bytes(8, "little"))
@@ -106,12 +107,12 @@ def example_key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
     """sha256 of one row's `(length,)` token ids and mask (as int64), the row's address."""
     ids = input_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
     mask = attention_mask.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
-    return _sha(ids, mask)
+    return sha256_of(ids, mask)
 
 
 def blocks_digest(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
     """sha256 of every `(num_blocks, length)` token block and mask, in order: the text's identity."""
-    return _sha(
+    return sha256_of(
         _bytes(input_ids.to(torch.int64)), _bytes(attention_mask.to(torch.int64))
     )
 
@@ -229,7 +230,7 @@ class StoreSpec:
         """sha256 of the settings, the number of sequences left out (a store may grow)."""
         d = self.to_dict()
         d["text"] = {k: v for k, v in d["text"].items() if k != "sequences"}
-        return _sha(json.dumps(d, sort_keys=True).encode())
+        return sha256_of(json.dumps(d, sort_keys=True).encode())
 
 
 # ---------------------------------------------------------------------- computing one row
@@ -502,7 +503,7 @@ def needed_settings(target, layers: Sequence[int], layer_types: Sequence[str]) -
 
 def _row_digests(tensors: dict[str, torch.Tensor], rows: int) -> list[str]:
     names = sorted(tensors)
-    return [_sha(*(_bytes(tensors[k][r]) for k in names)) for r in range(rows)]
+    return [sha256_of(*(_bytes(tensors[k][r]) for k in names)) for r in range(rows)]
 
 
 def shard_name(index: int) -> str:
@@ -575,7 +576,7 @@ class TeacherStore:
         except (KeyError, ValueError):
             self.last_problem = "has no row checksums"
             return None
-        if _sha(*(r.encode() for r in rows)) != meta.get("sha256"):
+        if sha256_of(*(r.encode() for r in rows)) != meta.get("sha256"):
             self.last_problem = "its shard checksum does not match its row checksums"
             return None
         if len(rows) != self.spec.shard_size and index != self._last_index():
@@ -777,7 +778,7 @@ def _write_shard(path: Path, rows: list[dict[str, torch.Tensor]], spec: StoreSpe
         "fingerprint": spec.fingerprint,
         "first_row": str(first),
         "rows_sha256": json.dumps(digests),
-        "sha256": _sha(*(d.encode() for d in digests)),
+        "sha256": sha256_of(*(d.encode() for d in digests)),
     }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
