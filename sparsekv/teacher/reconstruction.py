@@ -80,6 +80,106 @@ def _value_output_norms(
 
 
 @torch.no_grad()
+def repeat_received(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    hidden: torch.Tensor | None,
+    o_weight: torch.Tensor | None,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    num_kv_groups: int,
+    block_size: int = 512,
+    stat: str = "mass",
+    normalize: str = "none",
+    reconstruction: bool = True,
+    kvzip_plus: bool = True,
+    query_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What the keys receive from a run of later queries, from one softmax per block:
+    `(reconstruction, kvzip_plus)`, each `(batch, kv_heads, seq)` float32 or None when not asked.
+
+    query `(batch, heads, q, head_dim)`: the queries, at absolute positions `query_positions`
+    (`(q,)` ascending; default `seq - q` .. `seq - 1`, the repeated copy); key, value `(batch,
+    kv_heads, seq, head_dim)` (after RoPE and norms); hidden `(batch, q, hidden)`: the self_attn
+    inputs of those queries; o_weight `(hidden, heads * head_dim)`: the layer's o_proj weight (value,
+    hidden, o_weight are read only for `kvzip_plus`). Causal, full attention (query at position p
+    sees keys 0..p), no padding.
+
+    - reconstruction: the attention a key receives, summed over the group's query heads, then
+      "mass" (sum) or "max" over the queries, `normalize` as `attention_received` (equal to
+      `attention_received(query, key, stat=stat, normalize=normalize, exclude_self=False)` for the
+      default positions);
+    - kvzip_plus: KVzap's `max_{j, h in group} A^h[j, i] * ||W_O^h v_i|| / ||h_j||` (the log is
+      taken by the caller).
+
+    Extra memory O(batch x heads x block x seq)."""
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be >= 1")
+    b, hq, q_len, d = query.shape
+    _, hk, n, _ = key.shape
+    g = num_kv_groups
+    if hq != hk * g:
+        raise ValueError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} do not match with "
+            f"num_kv_groups={num_kv_groups}"
+        )
+    if kvzip_plus and (hidden is None or hidden.shape[:2] != (b, q_len)):
+        got = None if hidden is None else tuple(hidden.shape)
+        raise ValueError(f"hidden {got} must be (batch, q) = {(b, q_len)} plus the hidden size")
+    dev = query.device
+    positions = torch.arange(n, device=dev)
+    if query_positions is None:
+        query_positions = positions[n - q_len :]
+    query_positions = query_positions.to(dev)
+    if query_positions.shape != (q_len,):
+        raise ValueError(f"query_positions {tuple(query_positions.shape)} must be ({q_len},)")
+    out_r = torch.zeros(b, hk, n, dtype=torch.float32, device=dev) if reconstruction else None
+    out_z = torch.zeros(b, hk, n, dtype=torch.float32, device=dev) if kvzip_plus else None
+    per_query = normalize in ("length", "uniform") and stat == "mass"
+    count = torch.zeros(n, dtype=torch.float32, device=dev) if reconstruction and per_query else None
+    if kvzip_plus:
+        wov = _value_output_norms(value, o_weight, g).view(b, hk, g, 1, n)
+        inv_h = 1.0 / hidden.float().norm(dim=-1).clamp_min(1e-12)  # (b, q)
+    kf = key.float()
+    for s in range(0, q_len, block_size):
+        e = min(s + block_size, q_len)
+        qpos = query_positions[s:e]
+        hi = int(qpos[-1]) + 1
+        allowed = positions[None, :hi] <= qpos[:, None]  # (B, K)
+        qb = query[:, :, s:e].float().reshape(b, hk, g * (e - s), d)
+        logits = torch.matmul(qb, kf[:, :, :hi].transpose(-1, -2)).mul_(scaling)
+        logits = logits.view(b, hk, g, e - s, hi)
+        if softcap is not None:
+            logits.div_(softcap).tanh_().mul_(softcap)
+        logits.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+        probs = torch.softmax(logits, dim=-1)
+        del logits
+        probs.masked_fill_(~allowed, 0.0)
+        if kvzip_plus:
+            z = probs * inv_h[:, None, None, s:e, None]
+            z.mul_(wov[..., :hi])
+            out_z[:, :, :hi] = torch.maximum(out_z[:, :, :hi], z.amax(dim=(2, 3)))
+            del z
+        if reconstruction:
+            if normalize == "uniform":
+                probs.mul_(allowed.sum(-1).to(torch.float32)[:, None])
+            a = probs.sum(2)  # (b, hk, B, K)
+            if stat == "mass":
+                out_r[:, :, :hi] += a.sum(-2)
+            else:
+                out_r[:, :, :hi] = torch.maximum(out_r[:, :, :hi], a.amax(-2))
+            if count is not None:
+                count[:hi] += allowed.sum(0).to(torch.float32)
+            del a
+        del probs
+    if count is not None:
+        c = count.view(1, 1, n)
+        out_r = torch.where(c > 0, out_r / c.clamp_min(1.0), torch.zeros_like(out_r))
+    return out_r, out_z
+
+
 def kvzip_plus_received(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -99,42 +199,21 @@ def kvzip_plus_received(
     `(batch, q, hidden)`: the self_attn inputs of those queries; o_weight `(hidden, heads *
     head_dim)`: the layer's o_proj weight. Causal, full attention (the softmax of query j runs over
     keys 0..j). Returns `(batch, kv_heads, seq)` float32 (the log is taken by the caller).
-    Queries are processed `block_size` at a time: extra memory O(batch x heads x block x seq).
+    `repeat_received` with the reconstruction statistic left out.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be >= 1")
-    b, hq, q_len, d = query.shape
-    _, hk, n, _ = key.shape
-    g = num_kv_groups
-    if hq != hk * g or hidden.shape[:2] != (b, q_len):
-        raise ValueError(
-            f"query {tuple(query.shape)}, key {tuple(key.shape)} and hidden {tuple(hidden.shape)} "
-            f"do not match with num_kv_groups={num_kv_groups}"
-        )
-    offset = n - q_len
-    wov = _value_output_norms(value, o_weight, g).view(b, hk, g, 1, n)
-    inv_h = 1.0 / hidden.float().norm(dim=-1).clamp_min(1e-12)  # (b, q)
-    kf = key.float()
-    out = torch.zeros(b, hk, n, dtype=torch.float32, device=query.device)
-    positions = torch.arange(n, device=query.device)
-    for s in range(0, q_len, block_size):
-        e = min(s + block_size, q_len)
-        hi = offset + e
-        qpos = positions[offset + s : hi]
-        allowed = positions[None, :hi] <= qpos[:, None]  # (B, K)
-        qb = query[:, :, s:e].float().reshape(b, hk, g * (e - s), d)
-        logits = torch.matmul(qb, kf[:, :, :hi].transpose(-1, -2)).mul_(scaling)
-        logits = logits.view(b, hk, g, e - s, hi)
-        if softcap is not None:
-            logits.div_(softcap).tanh_().mul_(softcap)
-        logits.masked_fill_(~allowed, torch.finfo(torch.float32).min)
-        probs = torch.softmax(logits, dim=-1)
-        del logits
-        probs.mul_(inv_h[:, None, None, s:e, None]).mul_(wov[..., :hi])
-        probs.masked_fill_(~allowed, 0.0)
-        out[:, :, :hi] = torch.maximum(out[:, :, :hi], probs.amax(dim=(2, 3)))
-        del probs
-    return out
+    _, z = repeat_received(
+        query,
+        key,
+        value,
+        hidden,
+        o_weight,
+        scaling=scaling,
+        softcap=softcap,
+        num_kv_groups=num_kv_groups,
+        block_size=block_size,
+        reconstruction=False,
+    )
+    return z
 
 
 def _row_statistics(
