@@ -56,6 +56,11 @@ class TargetConfig:
     reconstruction_weight: float = 0.5
     """Under signal=both: target = (1 - w) x questions target + w x reconstruction target, both
     distributions over the sequence; in [0, 1]."""
+    probe_weight: float = 0.0
+    """The retrieval-probe target's share (`sparsekv.teacher.probes`): target = (1 - p) x the
+    `signal`'s target + p x the probe target (the attention that recalling random spans of the
+    sequence pays to it; full-attention layers). In [0, 1]; above 0 it is read from a teacher
+    store built with the probe signal (`dataset: store:PATH`), not from text."""
     min_distance: int = 0
     """Only queries at least this many positions after a key count towards its statistic (and
     towards the "length" / "uniform" count): the decode-time target, e.g. 64 = the attention a
@@ -89,6 +94,15 @@ class TargetConfig:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0.0 <= w <= 1.0):
             raise ValueError(f"reconstruction_weight={w!r} must be a number in [0, 1]")
         self.reconstruction_weight = float(w)
+        p = self.probe_weight
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 <= p <= 1.0):
+            raise ValueError(f"probe_weight={p!r} must be a number in [0, 1]")
+        self.probe_weight = float(p)
+        if self.probe_weight and self.kind == "kvzip_plus":
+            raise ValueError(
+                "probe_weight mixes attention distributions: it needs kind='attention', not "
+                "kind='kvzip_plus'"
+            )
         md = self.min_distance
         if isinstance(md, bool) or not isinstance(md, int) or md < 0:
             raise ValueError(
@@ -107,7 +121,10 @@ class TargetConfig:
         return self.kind == "kvzip_plus"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not d["probe_weight"]:  # targets without probes keep the keys (and digests) they had
+            del d["probe_weight"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
@@ -133,9 +150,12 @@ class TargetConfig:
         else:
             own = f"{own} self-attention"
         line = f"attention {self.stat} ({self.normalize}-normalized, {own}); {mix}"
-        if self.signal == "reconstruction":
-            return f"{line}; from the queries of a repeat of the context (full-attention layers)"
         if self.signal == "both":
             w = self.reconstruction_weight
-            return f"{line}; {1 - w:g} x later queries + {w:g} x a repeat of the context"
+            line = f"{line}; {1 - w:g} x later queries + {w:g} x a repeat of the context"
+        elif self.signal == "reconstruction":
+            line = f"{line}; from the queries of a repeat of the context (full-attention layers)"
+        if self.probe_weight:
+            p = self.probe_weight
+            line = f"{line}; mixed {1 - p:g} : {p:g} with recall probes of random spans"
         return line

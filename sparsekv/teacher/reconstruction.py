@@ -138,7 +138,9 @@ def repeat_received(
     out_r = torch.zeros(b, hk, n, dtype=torch.float32, device=dev) if reconstruction else None
     out_z = torch.zeros(b, hk, n, dtype=torch.float32, device=dev) if kvzip_plus else None
     per_query = normalize in ("length", "uniform") and stat == "mass"
-    count = torch.zeros(n, dtype=torch.float32, device=dev) if reconstruction and per_query else None
+    count = (
+        torch.zeros(n, dtype=torch.float32, device=dev) if reconstruction and per_query else None
+    )
     if kvzip_plus:
         wov = _value_output_norms(value, o_weight, g).view(b, hk, g, 1, n)
         inv_h = 1.0 / hidden.float().norm(dim=-1).clamp_min(1e-12)  # (b, q)
@@ -305,6 +307,12 @@ def training_targets(
     right-padded or unpadded row already has them.
     """
     target = TargetConfig() if target is None else target
+    if target.probe_weight:
+        raise ValueError(
+            f"target.probe_weight={target.probe_weight:g}: the probe target is read from a teacher "
+            "store built with the probe signal (dataset: store:PATH; python -m "
+            "sparsekv.teacher.store build --signals questions,reconstruction,kvzip_plus,probe)"
+        )
     if target.signal == "questions":
         return teacher_targets(model, input_ids, attention_mask, target, layers, block_size)
     if repeat_prompt_ids is None or len(repeat_prompt_ids) == 0:

@@ -65,6 +65,7 @@ from sparsekv.io import atomic_path, write_atomic
 from sparsekv.teacher.reconstruction import repeat_received
 from sparsekv.teacher.store_format import (
     HIDDEN_DTYPES,
+    PROBE_DEFAULTS,
     SIGNALS,
     STORE_FILE,
     StoreError,
@@ -279,8 +280,26 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _probe_options(text: str | None) -> dict[str, int]:
+    """`--probe count=8,answer=16` -> `{"count": 8, "answer": 16}` (a clear error otherwise)."""
+    out: dict[str, int] = {}
+    for part in [p for p in (text or "").split(",") if p.strip()]:
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in PROBE_DEFAULTS:
+            raise StoreError(
+                f"--probe {part!r}: expected key=value with key one of {', '.join(PROBE_DEFAULTS)}"
+            )
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise StoreError(f"--probe {key}={value!r} must be an integer") from None
+    return out
+
+
 def _cmd_build(args) -> int:
     from sparsekv.policies.reconstruction import REPEAT_PROMPT
+    from sparsekv.teacher.probes import PROBE_PROMPTS
     from sparsekv.teacher.statistics import default_layers
     from train.config import load_config
     from train.models import load_model
@@ -298,10 +317,22 @@ def _cmd_build(args) -> int:
     shape = model_shape(model)
     layers = list(cfg.layers or default_layers(model))
     signals = args.signals.split(",")
-    prompt = None
-    if any(s != "questions" for s in signals):
+    prompt = probe_ids = None
+    if any(s in ("reconstruction", "kvzip_plus") for s in signals):
         prompt = list(tok([REPEAT_PROMPT], add_special_tokens=False)["input_ids"][0])
-    settings = target_settings(cfg.target_config(), shape.layer_types, layers, prompt, signals)
+    if "probe" in signals:
+        probe_ids = [
+            list(p) for p in tok(list(PROBE_PROMPTS), add_special_tokens=False)["input_ids"]
+        ]
+    settings = target_settings(
+        cfg.target_config(),
+        shape.layer_types,
+        layers,
+        prompt,
+        signals,
+        probe_prompt_ids=probe_ids,
+        probe=_probe_options(args.probe),
+    )
     ids, mask, text = text_blocks(cfg, tok, args.length)
     text["sequences"] = int(args.sequences)
     spec = StoreSpec(
@@ -400,6 +431,13 @@ def _parser() -> argparse.ArgumentParser:
         "--signals",
         default=",".join(SIGNALS),
         help=f"statistics to store, comma-separated (default {','.join(SIGNALS)})",
+    )
+    b.add_argument(
+        "--probe",
+        default=None,
+        metavar="key=value,...",
+        help="probe signal settings: count (probes per sequence, default 8), cue and "
+        "answer (tokens, default 8 and 16), seed, sink",
     )
     b.add_argument("--shard-size", type=int, default=8, help="sequences per shard (default 8)")
     b.add_argument(

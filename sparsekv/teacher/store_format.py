@@ -17,7 +17,10 @@ from torch import nn
 
 FORMAT = 1
 STORE_FILE = "store.json"
-SIGNALS = ("questions", "reconstruction", "kvzip_plus")
+SIGNALS = ("questions", "reconstruction", "kvzip_plus", "probe")
+PROBE_DEFAULTS = {"count": 8, "cue": 8, "answer": 16, "seed": 0, "sink": 4}
+"""Probes per sequence, cue and answer tokens per probe, the span generator's seed, and the
+positions at the start no span starts in (`sparsekv.teacher.probes`)."""
 HIDDEN_DTYPES = ("bfloat16", "int8", "model")
 STAT_FIELDS = ("stat", "normalize", "exclude_self", "min_distance")
 DATASET_PREFIX = "store:"
@@ -101,11 +104,17 @@ def target_settings(
     repeat_prompt_ids: Sequence[int] | None,
     signals: Sequence[str] = SIGNALS,
     question_layers: Sequence[int] | None = None,
+    probe_prompt_ids: Sequence[Sequence[int]] | None = None,
+    probe: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The statistic settings a store is built with, from a `TargetConfig`: its `STAT_FIELDS`,
     the `signals` stored, the layers of each (questions: `question_layers`, default every
     full-attention layer plus whatever `target` reads; reconstruction: every full-attention layer;
-    kvzip_plus: the head's `layers`) and the repeat prompt's ids (None for questions only)."""
+    kvzip_plus: the head's `layers`; probe: every full-attention layer), the repeat prompt's ids
+    (None for questions only) and, with the probe signal, `probe`: the tokenized recall prompts
+    (`probe_prompt_ids`) and the `PROBE_DEFAULTS` settings (`probe` overrides them). A store
+    without the probe signal has no probe keys at all (its fingerprint is what it was before the
+    signal existed)."""
     from sparsekv.teacher.statistics import source_layers
 
     bad = [s for s in signals if s not in SIGNALS]
@@ -119,14 +128,16 @@ def target_settings(
     if question_layers is None:
         needed = {s for i in layers for s in source_layers(i, target, layer_types)}
         question_layers = sorted(set(full) | needed)
-    repeat = any(s != "questions" for s in signals)
+    repeat = any(s in ("reconstruction", "kvzip_plus") for s in signals)
+    if "probe" in signals and not probe_prompt_ids:
+        raise ValueError("the probe signal needs probe_prompt_ids (the tokenized PROBE_PROMPTS)")
     if repeat and not repeat_prompt_ids:
         raise ValueError("the reconstruction and kvzip_plus signals need repeat_prompt_ids")
     sliding = [i for i in layers if layer_types[i] != "full_attention"]
-    if repeat and sliding:
+    if (repeat or "probe" in signals) and sliding:
         raise ValueError(
-            f"layers {sliding} slide: the repeat pass's signals are read on full-attention layers "
-            "only; store signals=questions for them"
+            f"layers {sliding} slide: the repeat pass's and the probes' signals are read on "
+            "full-attention layers only; store signals=questions for them"
         )
     out: dict[str, Any] = {k: getattr(target, k) for k in STAT_FIELDS}
     out["signals"] = [s for s in SIGNALS if s in signals]
@@ -136,6 +147,25 @@ def target_settings(
     out["reconstruction_layers"] = full if "reconstruction" in signals else []
     out["kvzip_plus_layers"] = sorted(int(i) for i in layers) if "kvzip_plus" in signals else []
     out["repeat_prompt_ids"] = [int(t) for t in repeat_prompt_ids] if repeat else None
+    if "probe" in signals:
+        settings = dict(PROBE_DEFAULTS)
+        unknown = sorted(set(probe or {}) - set(PROBE_DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"probe settings {unknown} are not known; allowed: {', '.join(PROBE_DEFAULTS)}"
+            )
+        settings.update(probe or {})
+        for k, v in settings.items():
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int)
+                or v < (0 if k in ("seed", "sink") else 1)
+            ):
+                raise ValueError(
+                    f"probe {k}={v!r} must be an int >= {0 if k in ('seed', 'sink') else 1}"
+                )
+        out["probe_layers"] = full
+        out["probe"] = {**settings, "prompt_ids": [[int(t) for t in p] for p in probe_prompt_ids]}
     return out
 
 
@@ -211,6 +241,10 @@ def needed_settings(target, layers: Sequence[int], layer_types: Sequence[str]) -
         )
     if target.signal in ("reconstruction", "both"):
         need["reconstruction_layers"] = sorted(
+            {s for i in layers for s in source_layers(i, target, layer_types, full_only=True)}
+        )
+    if target.probe_weight:
+        need["probe_layers"] = sorted(
             {s for i in layers for s in source_layers(i, target, layer_types, full_only=True)}
         )
     return need

@@ -212,10 +212,12 @@ class TeacherStore:
                     problems.append(f"{key}: needs {missing}, the store has {stored[key]}")
         tgt = dict(wanted.pop("target", {}))
         for key in [k for k in tgt if k.endswith("_layers")]:
-            missing = sorted(set(tgt.pop(key)) - set(stored["target"][key]))
+            have = stored["target"].get(key) or []
+            missing = sorted(set(tgt.pop(key)) - set(have))
             if missing:
+                hint = " (build a store with --signals ...,probe)" if key == "probe_layers" else ""
                 problems.append(
-                    f"target.{key}: needs {missing}, the store has {stored['target'][key] or 'none'}"
+                    f"target.{key}: needs {missing}, the store has {have or 'none'}{hint}"
                 )
         if tgt:
             wanted["target"] = tgt
@@ -258,6 +260,7 @@ class StoreTeacher:
             ("question_layers", "questions"),
             ("reconstruction_layers", "reconstruction"),
             ("kvzip_plus_layers", "kvzip_plus"),
+            ("probe_layers", "probe"),
         ):
             names += [f"{prefix}.{i}" for i in need.get(key, [])]
         for i in self.layers:

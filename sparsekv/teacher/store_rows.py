@@ -25,10 +25,15 @@ def compute_row(
 ) -> dict[str, torch.Tensor]:
     """The stored tensors of one row: `(length,)` ids and mask in, name -> tensor out (statistics
     `(kv_heads, length)` float32 with 0 on padding, `hidden.<l>` `(length, hidden)` in the
-    model's dtype). `settings` is `target_settings(...)`. One frozen forward: over the real tokens
-    `c`, or over `c + repeat prompt + copy` when a repeat signal is stored."""
+    model's dtype). `settings` is `target_settings(...)`. One frozen forward over the real tokens
+    `c`, or over `c + repeat prompt + copy` when a repeat signal is stored; the probe signal
+    (`sparsekv.teacher.probes`) appends its probes to `c` in that pass when there is no repeat,
+    and runs a second pass over `c + probes` when there is (probes must not see the copy). A
+    sequence too short for any probe stores a zero probe statistic (its probe target is empty and
+    `combine_targets` leaves it out)."""
     from sparsekv.models.families import model_shape, text_config
     from sparsekv.teacher.forward import layer_scaling, teacher_forward
+    from sparsekv.teacher.probes import probe_layout
     from sparsekv.teacher.reconstruction import reconstruction_layout
     from sparsekv.teacher.statistics import attention_received
 
@@ -42,12 +47,49 @@ def compute_row(
     q_layers = set(settings["question_layers"])
     r_layers = set(settings["reconstruction_layers"])
     z_layers = set(settings["kvzip_plus_layers"])
+    p_layers = set(settings.get("probe_layers") or [])
+    probes = None
+    if p_layers:
+        pr = settings["probe"]
+        probes = probe_layout(
+            context,
+            pr["prompt_ids"],
+            count=pr["count"],
+            cue=pr["cue"],
+            answer=pr["answer"],
+            seed=pr["seed"],
+            sink=pr["sink"],
+        )
     if r_layers or z_layers:
         bos = getattr(text_config(model), "bos_token_id", None)
         ids, copy_start = reconstruction_layout(context, settings["repeat_prompt_ids"], bos)
+        probe_pass = True
     else:
-        ids, copy_start = context, None
+        ids, copy_start = (probes.ids if probes is not None else context), None
+        probe_pass = False
     got: dict[str, torch.Tensor] = {}
+
+    def probe_stat(module, layer, query, key, kwargs):
+        if not probes.query_positions:
+            got[f"probe.{layer}"] = torch.zeros(1, key.shape[1], m)
+            return
+        qpos = torch.tensor(probes.query_positions, device=query.device)
+        r, _ = repeat_received(
+            query[:, :, qpos],
+            key,
+            None,
+            None,
+            None,
+            scaling=layer_scaling(module, kwargs),
+            softcap=kwargs.get("softcap"),
+            num_kv_groups=query.shape[1] // key.shape[1],
+            block_size=block_size,
+            stat=settings["stat"],
+            normalize=settings["normalize"],
+            kvzip_plus=False,
+            query_positions=qpos,
+        )
+        got[f"probe.{layer}"] = r[..., :m]
 
     def compute(module, layer, query, key, value, hidden, kwargs):
         common = {
@@ -84,6 +126,8 @@ def compute_row(
                 got[f"reconstruction.{layer}"] = r[..., :m]
             if z is not None:
                 got[f"kvzip_plus.{layer}"] = z[..., :m]
+        if layer in p_layers and not probe_pass:
+            probe_stat(module, layer, query, key, kwargs)
 
     device = next(model.parameters()).device
     hidden = teacher_forward(
@@ -91,9 +135,20 @@ def compute_row(
         torch.tensor([ids], dtype=torch.long, device=device),
         None,
         compute,
-        layers=sorted(q_layers | r_layers | z_layers),
+        layers=sorted(q_layers | r_layers | z_layers | (set() if probe_pass else p_layers)),
         hidden_layers=list(layers),
     )
+    if p_layers and probe_pass:
+        teacher_forward(
+            model,
+            torch.tensor([probes.ids], dtype=torch.long, device=device),
+            None,
+            lambda module, layer, query, key, value, hidden_, kwargs: probe_stat(
+                module, layer, query, key, kwargs
+            ),
+            layers=sorted(p_layers),
+            hidden_layers=[],
+        )
     where = valid.nonzero().squeeze(-1)
     out: dict[str, torch.Tensor] = {
         "input_ids": input_ids.detach().to("cpu", torch.int64).clone(),
@@ -140,11 +195,16 @@ def combine_targets(
             for i in layers
         }
     if target.signal == "questions":
-        t = cumulative_targets(group("questions"), layers, target, layer_types)
-        return {i: t[i][0] for i in layers}
-    r = cumulative_targets(group("reconstruction"), layers, target, layer_types, full_only=True)
-    if target.signal == "both":
-        w = target.reconstruction_weight
-        q = cumulative_targets(group("questions"), layers, target, layer_types)
-        r = {i: (1.0 - w) * q[i] + w * r[i] for i in layers}
+        r = cumulative_targets(group("questions"), layers, target, layer_types)
+    else:
+        r = cumulative_targets(group("reconstruction"), layers, target, layer_types, full_only=True)
+        if target.signal == "both":
+            w = target.reconstruction_weight
+            q = cumulative_targets(group("questions"), layers, target, layer_types)
+            r = {i: (1.0 - w) * q[i] + w * r[i] for i in layers}
+    if target.probe_weight:
+        p = target.probe_weight
+        t = cumulative_targets(group("probe"), layers, target, layer_types, full_only=True)
+        # a sequence too short for any probe has an empty probe target: its base target stays
+        r = {i: (1.0 - p) * r[i] + p * t[i] if t[i].sum() > 0 else r[i] for i in layers}
     return {i: r[i][0] for i in layers}
