@@ -10,8 +10,10 @@ Packages: `tasks` (the task families and their registry: `needles`, `words`, `la
 `decode`, over evaluation-only prose from `text`, tokenized through `codec`), `running` (`plan`:
 the grid's samples and runs; `execute`: one sample's runs; `outcome`: a run's metrics; `runner`:
 a grid into its folder; `models`: which model; `decode`, `decode_grid`: decode-heavy runs),
-`rows` (`store`: results.jsonl, resume, ingest; `folder`: lock, prompts.jsonl, config.yaml),
-`reports` (`summary`: the numbers; `tables`: summary.csv and summary.md; `plots`; `decode`).
+`rows` (`store`: results.jsonl, resume; `ingest`: peers' rows, validated; `identity`: the seed,
+model, prompt hash and setup every row records; `folder`: lock, prompts.jsonl, config.yaml),
+`reports` (`summary`: the numbers; `tables`: summary.csv and summary.md; `plots`; `decode`;
+`card`: a grid's headline into an adapter's model card).
 Beside them: `config` (the grid, `EvalConfig`), `metrics` (per-sample metrics), `cli`.
 """
 

@@ -13,12 +13,13 @@
 
 Rows are never dropped: a run into a folder that holds rows needs --resume (keep them, run only
 what is missing) or --overwrite (rerun the grid, replacing its own rows only); a folder is locked
-while a run writes into it.
+while a run writes into it. Every error is one line on stderr (exit 2 for a bad input).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -153,7 +154,30 @@ def _list() -> int:
     return 0
 
 
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (a YAML or JSON error's text spans several)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def run_eval_command(args: argparse.Namespace) -> int:
+    """`sparsekv eval`: every error is one line on stderr, never a traceback: a bad input (a
+    ValueError, or an OSError such as a folder that cannot be written) exits 2 through
+    `sparsekv.cli.main`; anything else is printed as one line with its type and exits 1
+    (`SPARSEKV_TRACEBACK=1` re-raises it, for a bug report)."""
+    try:
+        return _command(args)
+    except (ValueError, OSError) as e:
+        raise ValueError(one_line(e)) from None
+    except Exception as e:
+        if os.environ.get("SPARSEKV_TRACEBACK"):
+            raise
+        print(f"sparsekv: error: {type(e).__name__}: {one_line(e)} (SPARSEKV_TRACEBACK=1 shows "
+              "where it was raised)", file=sys.stderr)
+        return 1
+
+
+def _command(args: argparse.Namespace) -> int:
+    from sparsekv.evaluation.rows.folder import check_out_folder
     from sparsekv.evaluation.running import runner
 
     if args.list:
@@ -163,9 +187,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if args.source is not None and not args.ingest:
         raise ValueError("--source names the producer of --ingest rows; give --ingest ROWS.jsonl with it")
     if args.ingest or args.report_only:
-        if not args.out:
+        if args.out is None:
             raise ValueError("--ingest and --report-only need --out (the evaluation folder)")
-        out = Path(args.out)
+        out = check_out_folder(args.out)
         if args.ingest and not (out / "prompts.jsonl").exists():
             raise ValueError(f"{out} holds no prompts.jsonl: run the grid (or --dump-prompts) there first")
         if not args.ingest and not (out / "results.jsonl").exists() and not list(out.glob("results.part-*.jsonl")):
@@ -188,9 +212,17 @@ def run_eval_command(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     if cfg.out is None:
         raise ValueError("no output folder: give --out DIR (or out: in the config)")
+    check_out_folder(cfg.out)  # before any model loads
     if args.dump_prompts:
-        from sparsekv.evaluation.rows.folder import FolderLock, write_config, write_prompts
-        from sparsekv.evaluation.rows.store import count_rows
+        from sparsekv.evaluation.rows.folder import (
+            FolderLock,
+            check_same_setup,
+            read_config,
+            write_config,
+            write_prompts,
+        )
+        from sparsekv.evaluation.rows.identity import check_identity
+        from sparsekv.evaluation.rows.store import folder_rows
         from sparsekv.evaluation.running.models import load_model
         from sparsekv.evaluation.running.plan import build_samples
 
@@ -198,8 +230,12 @@ def run_eval_command(args: argparse.Namespace) -> int:
         _, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, seed=cfg.seed)  # the codec only
         samples = build_samples(cfg, codec)
         with FolderLock(out):
+            rows = folder_rows(out)
+            if rows:  # the prompts of a folder's rows are never replaced by other prompts
+                check_same_setup(out, cfg)
+                check_identity(rows, cfg, out, samples, read_config(out))
             write_prompts(samples, cfg, out / "prompts.jsonl", keep_others=True)
-            if not count_rows(out):  # a folder with rows keeps the config they were run with
+            if not rows:  # a folder with rows keeps the config they were run with
                 write_config(out, cfg)
         print(f"wrote {len(samples)} prompts to {out / 'prompts.jsonl'}")
         return 0

@@ -102,6 +102,9 @@ def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
             if "=" not in o:
                 raise ValueError(f"policy {text!r}: option {o!r} must be KEY=VALUE (e.g. @blend=0.5)")
             k, v = o.split("=", 1)
+            if not v.strip():
+                raise ValueError(f"policy {text!r}: option @{k.strip()}= has no value; give "
+                                 f"@{k.strip()}=VALUE (e.g. @label=NAME, @blend=0.5)")
             options[k.strip()] = _scalar(v.strip())
     else:
         raise ValueError(f"policy={spec!r} must be a non-empty string like 'snapkv' or 'learned:PATH@blend=0.5'")
@@ -113,7 +116,11 @@ def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
         raise ValueError(f"policy {text!r}: 'learned' needs an adapter, e.g. learned:checkpoints/run/final")
     if arg and name != "learned":
         raise ValueError(f"policy {text!r}: only 'learned' takes an argument after ':'")
-    label = str(options.pop("label", text))
+    label = options.pop("label", text)
+    if label is None or isinstance(label, (dict, list, bool)) or not str(label).strip():
+        raise ValueError(f"policy {text!r}: label={label!r}; allowed: a non-empty name (the "
+                         "method's name in tables and plots)")
+    label = str(label)
     own = options.pop("budgets", options.pop("budget", None))
     budgets = None
     if own is not None:
@@ -165,6 +172,25 @@ def budget_text(b: Any) -> Any:
     """A budget as `config.yaml` writes it: an explicit token count (`Tokens`) as "Ntok", so
     that it reads back as one (a bare 1 would be refused); other budgets as they are."""
     return f"{int(b)}{TOKENS_SUFFIX}" if isinstance(b, Tokens) else b
+
+
+def is_token_budget(b: Any) -> bool:
+    """True for a budget that is a token count: an int (as rows record `Tokens` too), or its
+    text ("512", "512tok"); False for a fraction (a float, "0.3", "1.0")."""
+    if isinstance(b, str):
+        s = b.strip()
+        return s.isdigit() or TOKENS_PATTERN.fullmatch(s) is not None
+    return isinstance(b, int) and not isinstance(b, bool)
+
+
+def budget_label(b: Any) -> str:
+    """A budget as reports name it: a token count with its unit ("512 tokens", "1 token"), a
+    fraction as it is ("0.3")."""
+    if not is_token_budget(b):
+        return str(b)
+    m = TOKENS_PATTERN.fullmatch(b.strip()) if isinstance(b, str) else None
+    n = int(m.group(1)) if m else int(b)
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 def parse_budget(v: Any) -> float | int:
@@ -237,6 +263,9 @@ class EvalConfig:
 
         if self.out is not None and not isinstance(self.out, (str, Path)):
             raise ValueError(f"out={self.out!r} must be a folder path")
+        if self.out is not None and not str(self.out).strip():
+            raise ValueError(f"out={str(self.out)!r} is empty; give the output folder's path (an "
+                             "empty path would write into the current directory)")
         self.out = None if self.out is None else str(self.out)
         validate_model_spec(self.model)
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from sparsekv.evaluation.config import REFERENCE
+from sparsekv.evaluation.config import REFERENCE, budget_label
 from sparsekv.evaluation.metrics import mean
 from sparsekv.evaluation.reports.summary import (  # noqa: F401  (summarize, share_interval: public names)
     SUMMARY_FIELDS,
@@ -33,7 +33,7 @@ from sparsekv.evaluation.reports.summary import (  # noqa: F401  (summarize, sha
     summarize,
     views,
 )
-from sparsekv.evaluation.rows.store import read_rows
+from sparsekv.evaluation.rows.store import read_rows, unique
 from sparsekv.evaluation.tasks import TASKS
 
 
@@ -128,7 +128,7 @@ def side_by_side(summary: list[dict[str, Any]], computed: dict[tuple, tuple] | N
         grid = sorted(budgets, key=budget_key)
         head = ["method"]
         for pr in protocols:
-            b = " / ".join(str(x) for x in grid)
+            b = " / ".join(budget_label(x) for x in grid)
             head += [f"{pr}: retrieval share @ {b}", f"{pr}: mean KL @ {b}", f"{pr}: KL where full is right @ {b}"]
         rows = []
         for source, policy in order:
@@ -222,7 +222,7 @@ def write_reports(out: str | Path, readme_series: list[str] | None = None) -> di
     from sparsekv.evaluation.reports.plots import plot, readme_plots
 
     out = Path(out)
-    rows = read_rows(out / "results.jsonl")
+    rows = unique(read_rows(out / "results.jsonl"), out / "results.jsonl")  # a repeated row counts once
     if not rows:
         raise ValueError(f"{out / 'results.jsonl'} holds no rows")
     config = None

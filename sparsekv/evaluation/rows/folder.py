@@ -1,8 +1,9 @@
 """The files of an evaluation folder other than its rows: the lock that keeps two runs out of
-one folder, atomic text writes, `prompts.jsonl` and `config.yaml` (and the check that a grid
-may add rows to a folder written with another one).
+one folder, the check that a path can be one (`check_out_folder`), `prompts.jsonl` and
+`config.yaml` (and the check that a grid may add rows to a folder written with another one).
 
-The rows themselves (`results.jsonl`, the part files) belong to `rows.py`.
+The rows themselves (`results.jsonl`, the part files) belong to `store.py`; what a row records
+of its setup, to `identity.py`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,24 @@ SETUP_FIELDS = (
     "task_options",
     "shared_prefill",
 )
+
+
+def check_out_folder(out: str | Path | None, flag: str = "--out") -> Path:
+    """`out` as a Path, when it can be an evaluation folder: a non-empty path that is a folder
+    or does not exist yet, with no file on the way to it. Raises ValueError naming `flag`
+    otherwise (checked before any model loads)."""
+    if out is None or not str(out).strip():
+        raise ValueError(f"{flag}={'' if out is None else str(out)!r} is empty; give the evaluation "
+                         "folder (a new folder, or one that holds a grid's rows)")
+    path = Path(out)
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            what = "is a file" if p == path else f"is under {p}, which is a file"
+            raise ValueError(f"{flag} {path} {what}; give a folder (a new one, or one that holds "
+                             "a grid's rows)")
+        if p.exists():
+            break
+    return path
 
 
 class FolderBusyError(ValueError):

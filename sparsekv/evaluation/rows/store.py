@@ -1,5 +1,6 @@
 """The row store of an evaluation folder: reading, writing and merging `results.jsonl` and the
-part files a run appends to, what a resume keeps, and rows ingested from peers.
+part files a run appends to, and what a resume keeps (rows from peers come in through
+`rows.ingest`; what else identifies a row is `rows.identity`).
 
 Rows are never dropped. Each row fills one slot, `(source, sample_id, protocol, policy label,
 budget)`; a new row replaces an old one only in the same slot (a rerun under `--overwrite`, or a
@@ -7,14 +8,16 @@ peer's rows ingested again), every other row stays. A run appends its rows to
 `results.part-<k>.jsonl` as they finish; they are folded into results.jsonl (atomically: a temporary
 file and a rename) when the run ends, when it is stopped, and before the next run starts. A torn
 last line (a process killed mid-write) is dropped with a warning; damage elsewhere is an error
-naming the file and line.
+naming the file and line. A row repeated in one slot (a file appended twice) is read once: the
+last one, in the place of the first, with a note on stderr (`unique`).
 
 Row format (also what peers such as kvpress write; see `ingest`): `sample_id`, `task`,
 `length`, `protocol`, `policy` (label), `budget` (1.0 for the reference), `source`
 ("sparsekv" or the peer's name), `output` (generated text), `score`, `kl`, `kl_mean`,
 `kv_bytes_compressed`, `kv_bytes_end`, `peak_rss_mb`, `prefill_s`, `decode_tok_s`,
 `error` (None, or the error text of a run that crashed: it counts as a miss), `adapter_hash`
-(learned policies: `ScorerAdapter.fingerprint()` of the adapter that ran), plus the per-task
+(learned policies: `ScorerAdapter.fingerprint()` of the adapter that ran), `seed`, `model`,
+`prompt_hash` and `setup` (what else identifies the row: `rows.identity`), plus the per-task
 extras listed in `ROW_FIELDS`.
 """
 
@@ -28,10 +31,7 @@ from typing import Any
 
 import torch
 
-from sparsekv.evaluation import metrics as M
 from sparsekv.evaluation.config import REFERENCE, EvalConfig, lora_spec_text
-from sparsekv.evaluation.rows.folder import read_prompts
-from sparsekv.evaluation.tasks import get_task
 from sparsekv.io import read_jsonl, write_atomic
 
 ROW_FIELDS = (
@@ -70,8 +70,11 @@ ROW_FIELDS = (
     "fork_s",
     "adapter_hash",
     "learned_settings",
+    "seed",
+    "model",
+    "prompt_hash",
+    "setup",
 )
-REQUIRED_PEER_FIELDS = ("sample_id", "task", "length", "protocol", "policy", "budget")
 RESULTS = "results.jsonl"
 PART_GLOB = "results.part-*.jsonl"
 
@@ -141,10 +144,28 @@ def supersede(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict
     return out
 
 
+def unique(rows: list[dict[str, Any]], where: str | Path | None = None) -> list[dict[str, Any]]:
+    """`rows` with each slot once: a row repeated in its slot (the same row appended twice, or a
+    later row of the same slot) is kept once, the last one in the place of the first (as
+    `supersede` puts it), with a note on stderr naming `where`. Rows are never counted twice."""
+    out = supersede([], rows)
+    if len(out) < len(rows):
+        import sys
+
+        print(
+            f"[sparsekv eval] {where or 'rows'}: {len(rows) - len(out)} rows repeat the slot "
+            "(source, sample, protocol, policy, budget) of an earlier row; each slot is read once "
+            "(the last row)",
+            file=sys.stderr,
+        )
+    return out
+
+
 def folder_rows(out: Path) -> list[dict[str, Any]]:
-    """Every row of `out`: results.jsonl, then what the part files of a stopped run hold."""
+    """Every row of `out`, each slot once (`unique`): results.jsonl, then what the part files of
+    a stopped run hold."""
     results = Path(out) / RESULTS
-    rows = read_rows(results) if results.exists() else []
+    rows = unique(read_rows(results), results) if results.exists() else []
     for p in part_files(out):
         rows = supersede(rows, read_rows(p))
     return rows
@@ -167,7 +188,7 @@ def merge_parts(out: str | Path) -> int:
     if not parts:
         return 0
     results = out / RESULTS
-    rows = read_rows(results) if results.exists() else []
+    rows = unique(read_rows(results), results) if results.exists() else []
     new = [r for p in parts for r in read_rows(p)]
     write_rows_atomic(results, supersede(rows, new))
     for p in parts:
@@ -263,47 +284,3 @@ def _settings_text(old: dict[str, Any], new: dict[str, Any]) -> str:
     """`key: old -> new` for each setting that differs."""
     keys = sorted(set(old) | set(new))
     return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k))
-
-
-# ---- rows from elsewhere --------------------------------------------------------------------
-def ingest(out: str | Path, rows_path: str | Path, source: str | None = None) -> int:
-    """Add result rows produced elsewhere (e.g. the kvpress peer run on `prompts.jsonl`) to
-    `out`/results.jsonl; returns the number of rows added. The caller holds the folder's lock.
-
-    Each row needs `sample_id`, `task`, `length`, `protocol`, `policy`, `budget` and either
-    `output` (re-scored here against the answer in `prompts.jsonl`) or `score`; the other
-    fields of `ROW_FIELDS` are optional. A row in the slot of an existing row (same source,
-    sample, protocol, policy, budget) replaces it."""
-    out = Path(out)
-    prompts = {s.sample_id: s for s in read_prompts(out / "prompts.jsonl")}
-    cleaned = []
-    for i, r in enumerate(read_rows(Path(rows_path)), 1):
-        missing = [k for k in REQUIRED_PEER_FIELDS if k not in r]
-        if missing:
-            raise ValueError(
-                f"{rows_path} row {i}: missing field(s) {missing}; "
-                f"required: {', '.join(REQUIRED_PEER_FIELDS)}"
-            )
-        if r["sample_id"] not in prompts:
-            raise ValueError(
-                f"{rows_path} row {i}: sample_id {r['sample_id']!r} is not in "
-                f"{out / 'prompts.jsonl'}"
-            )
-        s = prompts[r["sample_id"]]
-        row = {k: None for k in ROW_FIELDS}
-        row.update(r)
-        row["source"] = source or r.get("source") or "peer"
-        row["answer"] = s.answer
-        if row.get("error") and row.get("score") is None:
-            row["score"] = 0.0  # a crash counts as a miss
-        elif row.get("score") is None and s.kind == "answer" and row.get("output") is not None:
-            row["score"] = M.score_answer(row["output"], s.answer)
-        row.setdefault("n_tokens", s.metadata.get("n_tokens"))
-        row.setdefault("depth", s.metadata.get("depth"))
-        get_task(row["task"])
-        cleaned.append(row)
-    merge_parts(out)
-    results = out / RESULTS
-    old = read_rows(results) if results.exists() else []
-    write_rows_atomic(results, supersede(old, cleaned))
-    return len(cleaned)

@@ -45,11 +45,13 @@ import torch
 
 from sparsekv.evaluation import metrics as M
 from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec, lora_spec_text
+from sparsekv.evaluation.rows.identity import row_identity
 from sparsekv.evaluation.rows.store import ROW_FIELDS
 from sparsekv.evaluation.running.outcome import Reference, fill_row
 from sparsekv.evaluation.running.plan import (
     REFERENCE_KEY,
     ForkPlan,
+    check_eviction,
     plan_forks,
     prefill_chunk,
     uses_lora,
@@ -70,6 +72,7 @@ class Runner:
         self.device = next(model.parameters()).device
         self._adapters: dict[str, Any] = {}
         self._hashes: dict[str, str] = {}
+        self._prompt_hashes: dict[str, str] = {}
 
     # ---- building ---------------------------------------------------------------------------
     def build_policy(self, spec: PolicySpec):
@@ -126,6 +129,7 @@ class Runner:
                 built[spec.spec].check_model(shape)
             except (OSError, ValueError) as e:  # OSError: neither a folder nor a Hub repo
                 raise ValueError(f"policy {spec.spec!r}: {e}") from e
+            check_eviction(self.cfg, spec, built[spec.spec], len(shape.full_layers))
         self.hashes = {spec.spec: self.adapter_hash(spec) for spec in self.cfg.policy_specs}
         # what each learned method scores with (its use's settings are not in the fingerprint)
         self.settings = {
@@ -295,6 +299,7 @@ class Runner:
             answer=sample.answer,
             depth=sample.metadata.get("depth"),
         )
+        row.update(row_identity(self.cfg, sample, self._prompt_hashes))
         if spec is not None:
             row["adapter_hash"] = self.adapter_hash(spec)
             if self.lora_of(spec) is not None:  # (plans the grid first if it was not yet)

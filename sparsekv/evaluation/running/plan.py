@@ -1,13 +1,15 @@
 """Planning an evaluation grid: which samples it holds, which runs each (sample, protocol) group
 asks for, which of those fork from the group's shared prefill, and how big the grid is.
 
-Nothing here runs a model or touches result rows: `runner.py` executes the plan, `rows.py` keeps
-what it produced. A run is named by its method key `(label, budget)` (budget as text, so 0.3 and
+Nothing here runs a model or touches result rows: `runner.py` executes the plan, `rows/` keeps
+what it produced. `check_eviction` refuses, before any run, eviction settings that every run of a
+method would fail on. A run is named by its method key `(label, budget)` (budget as text, so 0.3 and
 "0.3" are one key); the full-cache reference is `(REFERENCE, "1.0")` and belongs to every group.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -121,3 +123,26 @@ def prefill_chunk(cfg: EvalConfig, spec: PolicySpec | None) -> int | None:
     if spec is None:
         return None
     return {**cfg.eviction, **spec.eviction}.get("prefill_chunk")
+
+
+def check_eviction(cfg: EvalConfig, spec: PolicySpec, policy: Any, num_budgeted: int) -> None:
+    """Refuse (ValueError, before any run) eviction settings that every run of `spec` would fail
+    on with the grid's model, which has `num_budgeted` budgeted layers (e.g. `schedule=[0.5]`,
+    one fraction for three layers): its `EvictionConfig` at each of its budgets and the
+    per-layer schedule that resolves to (`policy` may bring its own schedule)."""
+    from sparsekv.cache.schedules import layer_fractions
+    from sparsekv.config import EvictionConfig
+
+    settings = {**cfg.eviction, **spec.eviction}
+    budgets = {str(b): b for pr in cfg.protocols for b in cfg.budgets_of(spec, pr)}
+    for budget in budgets.values():
+        try:
+            with warnings.catch_warnings():  # a run warns (e.g. a floor above the budget) itself
+                warnings.simplefilter("ignore")
+                config = EvictionConfig(budget=budget, **settings)
+            layer_fractions(config, num_budgeted, getattr(policy, "schedule", None) or config.schedule)
+        except (TypeError, ValueError) as e:
+            where = f"policy {spec.spec!r}" if spec.eviction else "--eviction (eviction:)"
+            raise ValueError(
+                f"{where} settings {settings} at budget {budget} on model {cfg.model}: {e}"
+            ) from None

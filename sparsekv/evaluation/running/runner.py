@@ -15,7 +15,9 @@ replacing the old row of its slot; rows outside the grid are kept). Both togethe
 missing runs and those whose rows another method wrote (another spec or another adapter under the
 same label). Rows of a learned policy record `adapter_hash`; a resume that finds rows of another
 adapter under a label refuses (rows of two adapters are never one method), and the report labels
-such rows apart when a folder holds them.
+such rows apart when a folder holds them. Every row records its seed, model, prompt hash and
+setup (`rows.identity`): rows of another seed, model, setup or prompts are refused, whatever the
+folder's config.yaml says.
 """
 
 from __future__ import annotations
@@ -34,11 +36,15 @@ import torch
 from sparsekv.evaluation.config import EvalConfig
 from sparsekv.evaluation.rows.folder import (
     FolderLock,
+    check_out_folder,
     check_same_setup,
+    read_config,
     read_prompts,  # noqa: F401  (public name, used by peers' scripts)
     write_config,
     write_prompts,
 )
+from sparsekv.evaluation.rows.identity import check_identity
+from sparsekv.evaluation.rows.ingest import ingest
 from sparsekv.evaluation.rows.store import (  # noqa: F401  (ROW_FIELDS, read_rows: public names)
     RESULTS,
     ROW_FIELDS,
@@ -46,7 +52,6 @@ from sparsekv.evaluation.rows.store import (  # noqa: F401  (ROW_FIELDS, read_ro
     dump_row,
     finished,
     folder_rows,
-    ingest,
     merge_parts,
     part_files,
     part_path,
@@ -244,7 +249,7 @@ def run_eval(
 
     if cfg.out is None:
         raise ValueError("out is not set: give --out DIR (or out: in the config)")
-    out = Path(cfg.out)
+    out = check_out_folder(cfg.out)  # a file, or a path through one: refused before loading
     if not (resume or overwrite) and (n := count_rows(out)):
         _refuse_fresh(out, n)  # early, before loading anything
     workers = cfg.workers
@@ -262,9 +267,10 @@ def run_eval(
         rows = folder_rows(out)
         if rows and not (resume or overwrite):
             _refuse_fresh(out, len(rows))
-        if rows:
-            check_same_setup(out, cfg)
         samples = build_samples(cfg, codec)
+        if rows:  # what the rows were run with: config.yaml, and what each row records
+            check_same_setup(out, cfg)
+            check_identity(rows, cfg, out, samples, read_config(out))
         done: dict = {}
         if resume:
             kept = finished(rows, cfg, runner.hashes, out, runner.settings)
