@@ -5,6 +5,7 @@ sample's prompt is fed to kvpress's pipeline. Pure Python: imports neither kvpre
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,23 +63,52 @@ def compression_ratio(budget: float, n_tokens: int) -> float:
     raise ValueError(f"budget={budget!r} must be a fraction in (0, 1] or a token count >= 1")
 
 
+TOKENS = re.compile(r"(\d+)\s*(?:tok|tokens)", re.IGNORECASE)
+BUDGET_RULE = (
+    "a fraction in (0, 1] (a float such as 0.3, or 1.0 for the whole context), a token count "
+    ">= 2 (an int such as 512), or a count spelled Ntok (1tok, 512tok)"
+)
+
+
+def parse_budget(b: Any) -> float | int:
+    """One budget by the harness's rule (`sparsekv.config.check_budget`, which this file
+    cannot import): a float is a fraction in (0, 1], so `2.0` is refused, not read as two
+    tokens; an int >= 2 or "Ntok" is a token count ("1tok" is one token); a bare `1` is refused
+    as ambiguous beside `1.0`; bools are refused. Strings are read as YAML and the command line
+    write them ("0.3", "512", "512tok")."""
+    if isinstance(b, str):
+        s = b.strip()
+        m = TOKENS.fullmatch(s)
+        if m is not None:
+            if int(m.group(1)) < 1:
+                raise ValueError(f"budget {s!r}: a token count is >= 1; allowed: {BUDGET_RULE}")
+            return int(m.group(1))
+        try:
+            b = int(s) if s.isdigit() else float(s)
+        except ValueError:
+            raise ValueError(f"budget {s!r} is not a number; allowed: {BUDGET_RULE}") from None
+    if isinstance(b, bool) or not isinstance(b, (int, float)):
+        raise ValueError(f"budget {b!r} is not a number; allowed: {BUDGET_RULE}")  # noqa: TRY004
+    if isinstance(b, float) and not 0.0 < b <= 1.0:
+        hint = f" (for {int(b)} tokens write {int(b)} or {int(b)}tok)" if b > 1 and b.is_integer() else ""
+        raise ValueError(f"budget {b!r}: a float budget is a fraction in (0, 1]{hint}; allowed: {BUDGET_RULE}")
+    if isinstance(b, int) and b == 1:
+        raise ValueError(f"budget 1 is ambiguous (one token, or 1.0 = the whole context?); write 1.0 "
+                         f"or 1tok; allowed: {BUDGET_RULE}")
+    if isinstance(b, int) and b < 1:
+        raise ValueError(f"budget {b!r}: a token count is >= 1; allowed: {BUDGET_RULE}")
+    return b
+
+
 def parse_budgets(text: str | Iterable) -> list[float | int]:
+    """Comma-separated budgets (the command line's --budget) or a list (config.yaml's `budgets`,
+    where a one-token budget is written "1tok"), each by `parse_budget`."""
     items = [b.strip() for b in text.split(",")] if isinstance(text, str) else list(text)
     out: list[float | int] = []
     for b in items:
         if b == "" or b is None:
             continue
-        s = str(b)
-        try:
-            v: float | int = int(s) if s.isdigit() else float(s)
-        except ValueError:
-            raise ValueError(
-                f"budget {s!r} is not a number; use fractions in (0, 1] or token counts >= 1"
-            ) from None
-        if isinstance(v, float) and v.is_integer() and v > 1:
-            v = int(v)
-        compression_ratio(v, 1)  # validates
-        out.append(v)
+        out.append(parse_budget(b))
     if not out:
         raise ValueError("no budgets given: --budget 0.1,0.3 (or a config.yaml with budgets)")
     return out

@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         "--budgets",
         dest="budgets",
-        help="comma-separated budgets: fractions in (0, 1] (compression_ratio = 1 - budget) or token counts",
+        help="comma-separated budgets, by the harness's rule: fractions in (0, 1] (compression_ratio = 1 - budget), "
+        "token counts >= 2 or Ntok (1tok, 512tok); 2.0 and a bare 1 are refused",
     )
     p.add_argument(
         "--presses", default=",".join(PRESSES), help=f"comma-separated, from: {', '.join(PRESSES)}"

@@ -23,6 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from sparsekv.evaluation.config import budget_label
 from sparsekv.io import read_jsonl, write_atomic
 
 REFERENCE = "full"
@@ -111,7 +112,7 @@ def markdown(summary: dict[tuple[str, str], list[dict[str, Any]]]) -> str:
     lines = ["# Decode-heavy tasks: eviction at every generated token", ""]
     for (task, budget), rows in summary.items():
         recall = task == "decode_recall"
-        lines += [f"## {task}, budget {budget} tokens", ""]
+        lines += [f"## {task}, budget {budget_label(budget)}", ""]
         head = "| method | rerank_every | n | KL mean | ppl | top-1 |"
         head += " recall | recall 1st |" if recall else ""
         head += " gen agreement | gen prefix | ms/step | re-rank % of decode | KV MiB end (budgeted layers) |"
@@ -175,7 +176,7 @@ def rerank_markdown(study: dict[tuple[str, str], dict[str, dict[int, dict[str, A
     lines: list[str] = []
     for (task, budget), by_base in study.items():
         rs = sorted({rr for stats in by_base.values() for rr in stats})
-        lines += [f"## Re-rank study: {task}, budget {budget} tokens", "",
+        lines += [f"## Re-rank study: {task}, budget {budget_label(budget)}", "",
                   ("Mean KL(full || method) at each re-rank interval R (never = 0); in brackets the "
                    "change against never re-ranking on the same samples (summed KL over summed KL) "
                    "and on how many samples it is lower; then the re-rank's share of decode time at each R."), ""]
@@ -230,7 +231,7 @@ def plot_rerank(study: dict[tuple[str, str], dict[str, dict[int, dict[str, Any]]
                 ax.plot(xs, [stats[rs[i]]["kl"] for i in xs], marker="o", lw=1.2, label=base)
             ax.set_xticks(range(len(rs)), ["never" if rr == 0 else str(rr) for rr in rs])
             ax.set(xlabel="re-rank every R steps", ylabel="mean KL(full || method), nats",
-                   title=f"{task}, budget {budget} tokens")
+                   title=f"{task}, budget {budget_label(budget)}")
             ax.legend(fontsize=7)
         written.append(_save(fig, out / f"rerank-{task}.png"))
     return written
@@ -251,7 +252,7 @@ def plot(summary: dict[tuple[str, str], list[dict[str, Any]]], out: Path, curve_
             ys = s["kl_curve"]
             ax.plot([curve_step * (i + 0.5) for i in range(len(ys))], ys, label=s["policy"], lw=1.2)
         ax.set(xlabel="continuation position (tokens)", ylabel="KL(full || method), nats",
-               title=f"{task}, budget {budget} tokens")
+               title=f"{task}, budget {budget_label(budget)}")
         ax.legend(fontsize=6, ncol=2)
         written.append(_save(fig, out / f"kl-position-{task}-{budget}.png"))
         if budget in kv_done:
@@ -263,7 +264,7 @@ def plot(summary: dict[tuple[str, str], list[dict[str, Any]]], out: Path, curve_
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], label=s["policy"], lw=1.2)
         ax.set(xlabel="continuation position (tokens)", ylabel="KV MiB (all layers)",
-               title=f"KV bytes held, budget {budget} tokens ({task})")
+               title=f"KV bytes held, budget {budget_label(budget)} ({task})")
         ax.legend(fontsize=6, ncol=2)
         written.append(_save(fig, out / f"kv-position-{budget}.png"))
     return written

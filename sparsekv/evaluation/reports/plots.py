@@ -19,7 +19,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from sparsekv.evaluation.config import REFERENCE
+from sparsekv.evaluation.config import REFERENCE, budget_label, is_token_budget
 from sparsekv.evaluation.reports.summary import LOWER_IS_BETTER, budget_key, method_order, quality
 from sparsekv.evaluation.tasks import TASKS
 
@@ -240,14 +240,16 @@ def readme_figure(
     ax_k.yaxis.set_minor_formatter(plain)
     ax_k.tick_params(axis="y", which="minor", labelsize=7)
     ax_k.set_ylabel("KL(full || method), nats, mean over tasks")
-    fractions = all(b <= 1 for b in budgets)
+    tokens = {budget_key(p["budget"]) for p in points if is_token_budget(p["budget"])}
     for ax in (ax_s, ax_k):
         ax.set_xticks(budgets)
-        ax.set_xlabel(
-            "budget: share of the context kept in the budgeted layers"
-            if fractions
-            else "budget (tokens per budgeted layer)"
-        )
+        if not tokens:
+            ax.set_xlabel("budget: share of the context kept in the budgeted layers")
+        elif len(tokens) == len(budgets):
+            ax.set_xlabel("budget (tokens per budgeted layer)")
+        else:  # fractions and token counts on one axis: each tick says which it is
+            ax.set_xticklabels([budget_label(int(b)) if b in tokens else f"{b:g}" for b in budgets])
+            ax.set_xlabel("budget: a share of the context, or tokens per budgeted layer")
         ax.grid(alpha=0.3, which="both")
     handles, labels = ax_s.get_legend_handles_labels()
     fig.legend(

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from sparsekv.evaluation.config import REFERENCE, policy_name
+from sparsekv.evaluation.config import REFERENCE, budget_label, policy_name
 from sparsekv.evaluation.metrics import mean
 from sparsekv.evaluation.tasks import TASKS
 
@@ -182,7 +182,7 @@ def quality(s: dict[str, Any]) -> float:
 def method_name(s: dict[str, Any]) -> str:
     if s["policy"] == REFERENCE and s["source"] == "sparsekv":
         return "full cache"
-    return f"{s['policy']} @ {s['budget']}"
+    return f"{s['policy']} @ {budget_label(s['budget'])}"  # "512 tokens" for a token count
 
 
 def method_order(summary: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
