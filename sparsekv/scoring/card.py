@@ -3,11 +3,17 @@
 `base_model_relation: adapter`, `library_name: sparsekv`, tags, evaluation results as
 model-index metadata) and a description (shape, target, settings per use, training config and
 evaluation table when recorded, usage). Knows the adapter's config only, never its weights.
+
+`headline_eval_results` and `headline_table` turn a report grid's headline (per family, the
+learned head's share of the full cache's answers and its mean KL; computed from the grid's rows by
+`sparsekv.evaluation.reports.card`, which also writes them into an adapter folder) into the
+`eval_results` (model-index) and `eval_table` an `AdapterConfig` records for its card.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -159,3 +165,83 @@ def build_card(
         ]
     card = ModelCard("---\n" + data.to_yaml() + "\n---\n\n" + "\n".join(lines))
     return str(card)
+
+
+# ---- evaluation results: a report grid's headline as model-index metadata --------------------
+TASK_TYPE = "text-generation"
+DATASET_TYPE = "sparsekv-eval"
+"""`dataset.type` of the card's results: the harness's task families (`sparsekv eval --list`),
+built from evaluation-only text (no Hub dataset; the family is `dataset.config`)."""
+SHARE_METRIC = "share_of_full_cache"
+KL_METRIC = "kl_from_full_cache"
+
+
+def headline_eval_results(headline: dict[str, Any]) -> list[dict[str, Any]]:
+    """The `huggingface_hub.EvalResult` keyword dicts (what `AdapterConfig.eval_results` holds
+    and the card writes as `model-index`) of a report grid's headline: per family its share of
+    the full cache's answers (families the full cache answers at all) and its mean KL(full ||
+    learned) in nats, and over all families (`dataset.config: all`) the mean share and mean KL.
+
+    `headline` is what `sparsekv.evaluation.reports.card.headline` returns: `grid`, `protocol`,
+    `budget`, `length`, `seed`, `samples`, `label` and `families` (each `task`, `share` or None,
+    `kl`, `full_score`, `n`), `share`, `kl`."""
+    h = headline
+    task = f"KV-cache eviction, {h['protocol']} protocol, budget {h['budget']}"
+    args = {"length": h["length"], "seed": h["seed"], "protocol": h["protocol"],
+            "budget": h["budget"], "grid": h["grid"]}
+    out: list[dict[str, Any]] = []
+
+    def add(config: str, name: str, n: int, metric: str, metric_name: str, value: Any) -> None:
+        if value is None or math.isnan(value):  # not measured
+            return
+        out.append({
+            "task_type": TASK_TYPE, "task_name": task, "dataset_type": DATASET_TYPE,
+            "dataset_name": name, "dataset_config": config, "dataset_split": f"seed-{h['seed']}",
+            "dataset_args": {**args, "samples": n}, "metric_type": metric,
+            "metric_name": metric_name, "metric_value": round(float(value), 4),
+        })
+
+    share_name = "share of the full cache's answers"
+    kl_name = "mean KL(full || learned), nats"
+    for f in h["families"]:
+        name = f"sparsekv eval {f['task']}, {h['length']} tokens"
+        add(f["task"], name, f["n"], SHARE_METRIC, share_name, f.get("share"))
+        add(f["task"], name, f["n"], KL_METRIC, kl_name, f.get("kl"))
+    name = f"sparsekv eval, every family, {h['length']} tokens"
+    add("all", name, h["samples"], SHARE_METRIC, share_name + " (mean over families)", h.get("share"))
+    add("all", name, h["samples"], KL_METRIC, kl_name + " (mean over families)", h.get("kl"))
+    return out
+
+
+def headline_table(headline: dict[str, Any], command: str | None = None) -> str:
+    """The card's "Evaluation" section (Markdown) for the same headline: one row per family and
+    one for the mean, how the numbers were made, and `command` (how to regenerate them)."""
+    h = headline
+
+    def pct(x: Any) -> str:
+        return "-" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
+
+    rows = ["| family | full cache answers | share of the full cache's answers | mean KL (nats) |",
+            "| --- | --- | --- | --- |"]
+    for f in h["families"]:
+        kl = "-" if f.get("kl") is None else f"{f['kl']:.3g}"
+        rows.append(f"| {f['task']} | {pct(f.get('full_score'))} | {pct(f.get('share'))} | {kl} |")
+    kl = "-" if h.get("kl") is None else f"{h['kl']:.3g}"
+    rows.append(f"| **mean** | | **{pct(h.get('share'))}** | **{kl}** |")
+    when = {
+        "agnostic": " (the context compressed before its question is known)",
+        "aware": " (the question in the prompt when the context is compressed)",
+    }.get(h["protocol"], "")
+    intro = (
+        f"The report grid `{h['grid']}` ({h['samples']} samples per family, {h['length']} tokens, "
+        f"report seed {h['seed']}, evaluation-only text): the `{h['label']}` method at budget "
+        f"{h['budget']} under the {h['protocol']} protocol{when}. Share: the method's accuracy "
+        "as a share of the full cache's on the same prompts (families the full cache answers at "
+        "least once; the mean is over those). KL: KL(full || method) of the next-token "
+        "distribution, mean over each family's samples, the mean over every family. The same "
+        "numbers are the card's `model-index`."
+    )
+    text = [intro, "", *rows]
+    if command:
+        text += ["", f"Regenerate: `{command}`"]
+    return "\n".join(text)
