@@ -1,8 +1,10 @@
 """Plain-data settings, validation only: `EvictionConfig` (what the evicting cache keeps, and
 when it re-ranks) and the learned policy's scoring settings (`check_learned_settings`).
 
-The config is plain data: it round-trips through JSON (`to_dict` / `from_dict`) and every field
-is checked in `__post_init__` with an error that names the field and its allowed values. The
+The config is plain data: it round-trips through JSON (`to_dict` / `from_dict`), every field
+is checked in `__post_init__` with an error that names the field and its allowed values, and it
+is immutable once built (`dataclasses.replace` makes a changed copy); `validate()` checks it
+again where it is used (`SparseKVCache`). The
 learned policy's settings live here, not in `sparsekv.policies.learned`, because an adapter's
 config records them too, and the adapter format must not import the policies (no import circle).
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import FrozenInstanceError, asdict, dataclass
 from typing import Any
 
 from sparsekv.configfile import from_fields
@@ -171,8 +173,54 @@ def check_budget(b: Any) -> float | int:
     return b
 
 
+def budget_from_text(text: str) -> float | int:
+    """A budget written on a command line, read by `check_budget`'s rule: "0.3" is a fraction,
+    "512" a token count, "512tok" an explicit one (the only spelling of one token, "1tok"); "2.0"
+    is refused as a float above 1 and "1" as ambiguous, as the API refuses them. ValueError
+    names the text and the allowed spellings."""
+    if not isinstance(text, str):
+        return check_budget(text)
+    s = text.strip()
+    if TOKENS_PATTERN.fullmatch(s):
+        return check_budget(s)
+    try:
+        value: float | int = int(s) if s.isdigit() else float(s)
+    except ValueError:
+        raise ValueError(
+            f"budget {text!r} is not a number; allowed: a fraction in (0, 1] such as 0.3, a token "
+            f'count >= 2 such as 512, or a token count spelled "N{TOKENS_SUFFIX}" such as '
+            f'"1{TOKENS_SUFFIX}"'
+        ) from None
+    return check_budget(value)
+
+
+def _check_schedule(s: Any) -> str | list[float]:
+    """A schedule name or an explicit list of per-layer fractions, checked (a list of floats)."""
+    if isinstance(s, str):
+        if s not in SCHEDULES:
+            raise ValueError(
+                f"schedule={s!r} is not supported; allowed values: {', '.join(SCHEDULES)} or a "
+                "list of fractions in (0, 1]"
+            )
+        return s
+    if not isinstance(s, (list, tuple)):
+        hint = " (convert it with .tolist())" if hasattr(s, "tolist") else ""
+        raise ValueError(  # noqa: TRY004  (every config error is a ValueError naming the field)
+            f"schedule={s!r} (type {type(s).__name__}) is not supported; allowed values: "
+            f"{', '.join(SCHEDULES)} or a list of fractions in (0, 1]{hint}"
+        )
+    if not s or not all(_is_number(x) and 0.0 < float(x) <= 1.0 for x in s):
+        raise ValueError(
+            f"schedule={s!r}: an explicit schedule is a non-empty list of fractions in (0, 1]"
+        )
+    return [float(x) for x in s]
+
+
 @dataclass
 class EvictionConfig:
+    """What a `SparseKVCache` keeps and when it re-ranks. Immutable once built (a cache reads it
+    at every step): `dataclasses.replace(config, budget=0.5)` makes a changed copy."""
+
     budget: float | int
     """Per budgeted layer: a float in (0, 1] keeps that fraction of the tokens seen (`1.0` =
     the whole context, nothing evicted); an int >= 2 keeps that many tokens. The schedule spreads
@@ -220,20 +268,44 @@ class EvictionConfig:
     max(prefill_chunk or 0, evict_slack + 1)."""
 
     def __post_init__(self) -> None:
-        self.budget = check_budget(self.budget)
-        s = self.schedule
-        if isinstance(s, (list, tuple)):
-            if not s or not all(_is_number(x) and 0.0 < float(x) <= 1.0 for x in s):
-                raise ValueError(
-                    f"schedule={s!r}: an explicit schedule is a non-empty list of fractions in "
-                    "(0, 1]"
-                )
-            self.schedule = [float(x) for x in s]
-        elif s not in SCHEDULES:
-            raise ValueError(
-                f"schedule={s!r} is not supported; allowed values: {', '.join(SCHEDULES)} or a "
-                "list of fractions"
+        for name, value in self._checked().items():
+            object.__setattr__(self, name, value)
+        self._warn_floor()
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Immutable once built: a cache reads its config at every step, so a field changed
+        # afterwards (`c.budget = -1`, `c.layout = "paged"`) would be used unchecked.
+        if self.__dict__.get("_sealed"):
+            raise FrozenInstanceError(
+                f"EvictionConfig is immutable: cannot set {name}={value!r} on a built config "
+                f"(caches read it at every step); build a new one, e.g. "
+                f"dataclasses.replace(config, {name}=...)"
             )
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_sealed"):
+            raise FrozenInstanceError(f"EvictionConfig is immutable: cannot delete {name}")
+        object.__delattr__(self, name)
+
+    def validate(self) -> EvictionConfig:
+        """Check every field again and return the config: `SparseKVCache` calls it, so a config
+        changed behind the immutability (`object.__setattr__`, an edited schedule list) fails
+        with the field's error where it is used. Raises ValueError naming the field."""
+        for name, value in self._checked().items():
+            if getattr(self, name) != value or type(getattr(self, name)) is not type(value):
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} was changed after the config was built; "
+                    "build a new EvictionConfig"
+                )
+        return self
+
+    def _checked(self) -> dict[str, Any]:
+        """Every field checked (ValueError naming the field and its allowed values); returns the
+        normalized `budget` and `schedule`."""
+        budget = check_budget(self.budget)
+        schedule = _check_schedule(self.schedule)
         for name in ("rerank_every", "sink_tokens", "recent_window", "evict_slack"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -246,12 +318,14 @@ class EvictionConfig:
             raise ValueError(f"prefill_chunk={self.prefill_chunk!r} must be None or an int >= 1")
         if not _is_number(self.pyramid_slope) or not (0.0 <= self.pyramid_slope < 1.0):
             raise ValueError(f"pyramid_slope={self.pyramid_slope!r} must be in [0, 1)")
-        if self.quantize not in QUANTIZE:
+        if not (self.quantize is None or isinstance(self.quantize, str)) or (
+            self.quantize not in QUANTIZE
+        ):
             raise ValueError(
                 f"quantize={self.quantize!r} is not supported; allowed values: None, 'int8'"
             )
-        self._check_layout()
-        self._warn_floor()
+        self._check_layout(budget)
+        return {"budget": budget, "schedule": schedule}
 
     def _warn_floor(self) -> None:
         """Warn when a token budget is below the entries every layer keeps (sinks + recent
@@ -279,8 +353,8 @@ class EvictionConfig:
                 stacklevel=4,
             )
 
-    def _check_layout(self) -> None:
-        if self.layout not in LAYOUTS:
+    def _check_layout(self, budget: Any) -> None:
+        if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             raise ValueError(
                 f"layout={self.layout!r} is not supported; allowed values: {', '.join(LAYOUTS)}"
             )
@@ -290,9 +364,9 @@ class EvictionConfig:
                 raise ValueError(f"{name}={v!r} must be None or an int >= 1")
         if self.layout != "static":
             return
-        if isinstance(self.budget, float) and self.max_length is None:
+        if isinstance(budget, float) and self.max_length is None:
             raise ValueError(
-                f"layout='static' with a fractional budget={self.budget!r} needs max_length "
+                f"layout='static' with a fractional budget={budget!r} needs max_length "
                 "(the longest "
                 "sequence the buffers hold), or give the budget as a token count"
             )

@@ -169,10 +169,18 @@ def close_words(x: torch.Tensor, starts: torch.Tensor, longest: int) -> torch.Te
     return torch.where(short[:, None, :], best.gather(2, index), x)
 
 
-def check_int(name: str, value: Any, minimum: int | None = None) -> int:
-    """`value` as an int (bools refused) >= `minimum`; the error names the argument."""
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        bound = "" if minimum is None else f" >= {minimum}"
+def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`value` as an int (bools refused) in [`minimum`, `maximum`]; the error names the argument."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+    ):
+        if maximum is None:
+            bound = "" if minimum is None else f" >= {minimum}"
+        else:
+            bound = f" <= {maximum}" if minimum is None else f" in [{minimum}, {maximum}]"
         raise ValueError(f"{name}={value!r} must be an int{bound}")
     return value
 

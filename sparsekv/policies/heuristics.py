@@ -18,6 +18,9 @@ from sparsekv.policies.base import (
     register,
 )
 
+MAX_SEED = 2**64 - 1
+"""The largest seed `torch.Generator.manual_seed` takes."""
+
 
 @register("full")
 class FullPolicy(Policy):
@@ -34,7 +37,7 @@ class RandomPolicy(Policy):
     """Uniformly random scores drawn once per entry (seeded generator, reproducible)."""
 
     def __init__(self, seed: int = 0):
-        self.seed = check_int("seed", seed, 0)
+        self.seed = check_int("seed", seed, 0, MAX_SEED)
         self._gen: dict[torch.device, torch.Generator] = {}
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
