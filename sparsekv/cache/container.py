@@ -10,6 +10,7 @@ import copy
 import weakref
 from typing import Any
 
+import torch
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     Cache,
@@ -20,6 +21,7 @@ import sparsekv.cache.attention as attn
 import sparsekv.cache.state as state
 from sparsekv.cache.hooks import (
     _after_forward,
+    _arm,
     _capture_hidden,
     _chunk_prefill,
     _note_inputs,
@@ -44,10 +46,13 @@ class SparseKVCache(Cache):
         config: an `EvictionConfig`.
         policy: a policy name (`sparsekv.policies.available()`) or a `Policy` instance.
 
-    Pass it as `cache=` to `model(...)` or `model.generate(...)`. Building it switches the model
-    to the `sparsekv_<sdpa|eager>` attention implementation (identical to the base one for any
-    other cache) and, when needed, installs hooks; `close()` (or leaving a `with` block, or the
-    cache being garbage-collected) removes them.
+    Pass it as `cache=` to `model(...)` or `model.generate(...)` of that same model: another
+    model's forward is refused (its entries are this model's keys and values). Building it
+    switches the model to the `sparsekv_<sdpa|eager>` attention implementation (identical to the
+    base one for any other cache) and installs hooks; `close()` (or leaving a `with` block, or
+    the cache being garbage-collected) removes them, and when the model's last open cache
+    closes, the model goes back to the implementation it had. A closed cache refuses further
+    forwards.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class SparseKVCache(Cache):
     ):
         if not isinstance(config, EvictionConfig):
             raise ValueError(f"config must be an EvictionConfig, got {type(config).__name__}")
+        config.validate()  # changed behind its immutability: the field's error, here
         if not hasattr(getattr(model, "config", None), "model_type"):
             raise TypeError(f"model must be a Hugging Face causal LM, got {type(model).__name__}")
         self.model = model
@@ -108,9 +114,11 @@ class SparseKVCache(Cache):
         self.step_inputs: tuple | None = None  # (input_ids, attention_mask, position_ids) of the last forward
         self.in_repeat = False  # a repeat pass is running its forwards through this cache
         self._repeat_memo: dict = {}  # fork(): repeat attention per (policy.repeat_key(), sinks)
-        self._use_sparse_attention(model)
+        self._armed = False  # the first attention module of `model` started a forward through it
+        token = object()  # this cache among the model's open caches (`_release`)
+        self._use_sparse_attention(model, token)
         self._install_hooks(model)
-        self._finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
+        self._finalizer = weakref.finalize(self, _release, self._hooks, weakref.ref(model), token)
 
     # ---- public measurements ----------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -165,9 +173,45 @@ class SparseKVCache(Cache):
         """Capacity of each budgeted layer at the current number of tokens seen."""
         return {layer.layer_idx: layer.capacity() for layer in self.layers if isinstance(layer, EvictingLayer)}
 
+    # ---- transformers' cache protocol ----------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0 and not torch.compiler.is_compiling():
+            self._check_forward(key_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_forward(self, key_states: torch.Tensor) -> None:
+        """At the first layer of every forward: refuse a closed cache, and a forward of a model
+        other than the one this cache was built for (the hook `_arm` on that model's first
+        attention module marks its own forwards)."""
+        if not self._finalizer.alive:
+            raise ValueError(
+                "this SparseKVCache is closed (close(), the end of its with block, or attach() "
+                "after its generate call): its hooks are gone and the model may be back on its "
+                "own attention, so it would no longer evict; build a new SparseKVCache(model, "
+                "config, policy) for another forward"
+            )
+        if not self._armed:
+            shape = self.shape
+            got = (int(key_states.shape[1]), int(key_states.shape[-1]))
+            other = (
+                f", and of another shape: its first layer gives {got[0]} KV heads of dim "
+                f"{got[1]}, the cache's model {shape.num_kv_heads} of dim {shape.head_dim}"
+                if got != (shape.num_kv_heads, shape.head_dim)
+                else " (of the same shape: it would never evict)"
+            )
+            raise ValueError(
+                f"this SparseKVCache was built for another model ({type(self.model).__name__} "
+                f"at {id(self.model):#x}); a forward of a different model object is using it"
+                f"{other}. Build one cache per model: SparseKVCache(model, config, policy) "
+                "with the model whose generate or forward it is passed to"
+            )
+        self._armed = False
+
     # ---- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove the hooks this cache installed on the model."""
+        """Remove the hooks this cache installed on the model; the last open cache of a model
+        also switches it back to the attention implementation it had before. A closed cache
+        refuses further forwards."""
         self.shared.first_hidden = None
         self._repeat_memo.clear()
         self._finalizer()
@@ -195,12 +239,14 @@ class SparseKVCache(Cache):
 
     # ---- wiring into the model --------------------------------------------------------------
     @staticmethod
-    def _use_sparse_attention(model) -> None:
+    def _use_sparse_attention(model, token: object) -> None:
+        entry = _OPEN.setdefault(model, {"before": None, "ours": None, "tokens": set()})
         current = text_config(model)._attn_implementation or "eager"
-        if current.startswith("sparsekv_"):
-            return
-        name = attn.register(current)
-        model.set_attn_implementation(name)
+        if not current.startswith("sparsekv_"):
+            name = attn.register(current)
+            model.set_attn_implementation(name)
+            entry["before"], entry["ours"] = current, name
+        entry["tokens"].add(token)
 
     def fork(self, config: EvictionConfig, policy: str | Policy) -> SparseKVCache:
         """A new cache holding what `policy` under `config` would have kept after this cache's
@@ -248,6 +294,8 @@ class SparseKVCache(Cache):
 
     def _install_hooks(self, model) -> None:
         ref = weakref.ref(self)
+        first = attention_modules(model)[0]  # marks the model's own forwards (`_check_forward`)
+        self._hooks.append(first.register_forward_pre_hook(_arm(ref), with_kwargs=True))
         if self.policy.needs_hidden_states or self.shared.record:
             modules = attention_modules(model)
             for i in self.budgeted_layers:
@@ -264,3 +312,26 @@ class SparseKVCache(Cache):
             self._hooks.append(model.register_forward_pre_hook(_note_inputs(ref), with_kwargs=True))
         if self.policy.scores_after_prefill:
             self._hooks.append(model.register_forward_hook(_after_forward(ref), with_kwargs=True))
+
+
+_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per model with open caches: the attention implementation it had before a cache switched it
+("before", None when it was already sparsekv's), the one it was switched to ("ours") and a token
+per open cache ("tokens")."""
+
+
+def _release(hooks: list, model_ref: Any, token: object) -> None:
+    """A cache closes (or is collected): its hooks go; when it was its model's last open cache,
+    the model goes back to the attention implementation it had before (unless someone switched
+    it since)."""
+    _remove_hooks(hooks)
+    model = model_ref()
+    entry = None if model is None else _OPEN.get(model)
+    if entry is None:
+        return
+    entry["tokens"].discard(token)
+    if entry["tokens"] or entry["before"] is None:
+        return
+    if text_config(model)._attn_implementation == entry["ours"]:
+        model.set_attn_implementation(entry["before"])
+    entry["before"] = entry["ours"] = None

@@ -1,5 +1,6 @@
-"""The forward hooks a `SparseKVCache` installs on its model: capturing attention inputs, noting a
-forward's token ids, scoring a repeat pass once a forward returns, chunking a long prefill.
+"""The forward hooks a `SparseKVCache` installs on its model: marking the model's own forwards,
+capturing attention inputs, noting a forward's token ids, scoring a repeat pass once a forward
+returns, chunking a long prefill.
 
 Each hook holds a weak reference to its cache and acts only on forwards through that cache."""
 
@@ -15,6 +16,34 @@ def _remove_hooks(hooks: list) -> None:
     for h in hooks:
         h.remove()
     hooks.clear()
+
+
+def _through(kwargs: dict, cache) -> bool:
+    """Whether a module's call (its keyword arguments) runs through `cache`."""
+    return cache is not None and (
+        kwargs.get("cache") is cache or kwargs.get("past_key_values") is cache
+    )
+
+
+def _arm(ref):
+    """Forward pre-hook on the model's first attention module: a forward of this model is about
+    to update the cache (`SparseKVCache._check_forward` refuses any other); a forward without
+    tokens is refused here, before the attention reshapes an empty tensor. Nothing under
+    `torch.compile` (a compiled step is one of the model's own)."""
+
+    def hook(module, args, kwargs):
+        cache = None if torch.compiler.is_compiling() else ref()
+        if _through(kwargs, cache):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] == 0:
+                raise ValueError(
+                    f"input_ids is empty: the forward through this SparseKVCache has no tokens "
+                    f"(input_ids or inputs_embeds of shape {tuple(hidden.shape[:2])}); give at "
+                    "least one token"
+                )
+            cache._armed = True
+
+    return hook
 
 
 def _capture_hidden(ref, layer: EvictingLayer, first: bool):
@@ -56,9 +85,9 @@ def _after_forward(ref):
 
 
 def _chunk_prefill(ref):
-    """Forward pre-hook on the model: run all but the last chunk of a long input as separate
-    forwards through this cache (each followed by eviction), then let the call go on with the
-    last chunk."""
+    """Forward pre-hook on the model: run all but the last chunk of a long input (`input_ids`,
+    or `inputs_embeds`) as separate forwards through this cache (each followed by eviction),
+    then let the call go on with the last chunk."""
 
     def hook(module, args, kwargs):
         cache = ref()
@@ -66,7 +95,9 @@ def _chunk_prefill(ref):
             return None
         if args:
             kwargs = {"input_ids": args[0], **kwargs}
-        ids = kwargs.get("input_ids")
+        # token ids, or their embeddings `(batch, n, hidden)` under `inputs_embeds`
+        key = "inputs_embeds" if kwargs.get("inputs_embeds") is not None else "input_ids"
+        ids = kwargs.get(key)
         chunk = cache.config.prefill_chunk
         if ids is None or ids.shape[1] <= chunk:
             return None
@@ -82,7 +113,7 @@ def _chunk_prefill(ref):
                 for s in range(0, last, chunk):
                     e = s + chunk
                     module(
-                        input_ids=ids[:, s:e],
+                        **{key: ids[:, s:e]},
                         attention_mask=None if mask is None else mask[:, : seen + e],
                         position_ids=None if pos is None else pos[:, s:e],
                         cache=cache,
@@ -91,7 +122,7 @@ def _chunk_prefill(ref):
                     )
         finally:
             cache._in_chunked_prefill = False
-        kwargs["input_ids"] = ids[:, last:]
+        kwargs[key] = ids[:, last:]
         if pos is not None:
             kwargs["position_ids"] = pos[:, last:]
         return (), kwargs

@@ -120,7 +120,7 @@ class ScorerAdapter(TrainedScorer):
         `head_layer`, `span_fill`, `span_peaks`, `span_words`) override them, the others go to
         `EvictionConfig`; `tokenizer` (the model's) serves `span_words`, which otherwise loads it
         from the model's `name_or_path`. When the adapter carries a LoRA and `lora` is True, it is injected into
-        the model for the block and removed on exit. A call that passes its own `cache=` (or `past_key_values=`) is left alone. On exit
+        the model for the block and removed on exit. A call that passes its own `cache=` (or `past_key_values=`) is left alone (`cache=None` is as if left out). On exit
         `model.generate`, the LoRA and the model's attention implementation are restored, also
         after an error. Yields an `Attachment` (its `last_cache` is the most recent call's
         cache, for `kv_bytes()` and friends)."""
@@ -147,6 +147,9 @@ class ScorerAdapter(TrainedScorer):
 
             @functools.wraps(original)
             def generate(*args: Any, **kwargs: Any):
+                for key in ("cache", "past_key_values"):  # None, generate's default: as left out
+                    if key in kwargs and kwargs[key] is None:
+                        del kwargs[key]
                 if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
                     return original(*args, **kwargs)
                 cache = SparseKVCache(model, config, policy)
