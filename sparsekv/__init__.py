@@ -19,6 +19,7 @@ _LAZY = {
     "compress": "sparsekv.serving.compressed",
     "compress_text": "sparsekv.serving.compressed",
     "CompressedContext": "sparsekv.serving.compressed",
+    "TextContext": "sparsekv.serving.compressed",
 }
 
 __all__ = list(_LAZY) + ["__version__"]
@@ -30,7 +31,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from sparsekv.models.default import default_model_path, load_default_model
     from sparsekv.models.families import model_shape
     from sparsekv.scoring.adapter import ScorerAdapter
-    from sparsekv.serving.compressed import CompressedContext, compress, compress_text
+    from sparsekv.serving.compressed import (
+        CompressedContext,
+        TextContext,
+        compress,
+        compress_text,
+    )
 
 
 def __getattr__(name: str) -> Any:
