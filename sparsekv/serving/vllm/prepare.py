@@ -4,7 +4,8 @@
     python -m sparsekv.serving.vllm.prepare OUT --count 20 --length 2048 --budgets 1.0 0.3
 
 writes, under OUT, one saved `CompressedContext` per (prompt, budget) (`OUT/ctx-<i>-b<budget>/`,
-`CompressedContext.save`'s folder) and `OUT/manifest.json`: per prompt the context ids, the
+`CompressedContext.save`'s folder; a budget as "0.3", or "512tok" for a token count: `--budgets`
+follows the library's budget rule, `sparsekv.config.check_budget`) and `OUT/manifest.json`: per prompt the context ids, the
 question ids, and per budget the folder, its kept entries per layer and sparsekv's own greedy
 answer (`ctx.generate`, `--max-new-tokens` tokens) that the vLLM side is compared with.
 
@@ -26,7 +27,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-__all__ = ["build_prompts", "main", "prose"]
+__all__ = ["budget_label", "build_prompts", "main", "prose"]
 
 _NAMES = ("amber", "basalt", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo",
           "juniper", "kestrel", "lagoon", "mesa", "nimbus", "onyx", "prairie", "quartz", "raven",
@@ -101,13 +102,32 @@ def build_prompts(tokenizer, count: int, length: int, questions: int = 1, seed: 
     return prompts
 
 
+def _budget(text: str) -> float | int:
+    """`--budgets` read by the library's budget rule (`sparsekv.config.budget_from_text`)."""
+    from sparsekv.config import budget_from_text
+
+    try:
+        return budget_from_text(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def budget_label(b: float) -> str:
+    """A budget as the manifest keys and folder names spell it: a fraction as "0.3" (1.0 as
+    "1"), a token count as "512tok"."""
+    return f"{b:g}" if isinstance(b, float) else f"{int(b)}tok"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--questions", type=int, default=1)
-    ap.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.3])
+    ap.add_argument("--budgets", type=_budget, nargs="+", default=[1.0, 0.3],
+                    help="budgets by the library's rule (EvictionConfig.budget): fractions in "
+                         "(0, 1] such as 0.3, token counts >= 2 such as 512, or 1tok; 2.0 and a "
+                         "bare 1 are refused")
     ap.add_argument("--schedule", default="uniform")
     ap.add_argument("--adapter", default="checkpoints/gemma3-270m-sparsekv")
     ap.add_argument("--dtype", default="float32")
@@ -136,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             ctx = sparsekv.compress(model, p["context_ids"], cfg, adapter)
             compress_s = time.perf_counter() - t0
-            folder = ctx.save(args.out / f"ctx-{i}-b{b:g}")
+            folder = ctx.save(args.out / f"ctx-{i}-b{budget_label(b)}")
             rec = {"path": str(folder.resolve()), "kept": ctx.kept(), "compress_s": compress_s}
             if not args.no_reference:
                 answers, t0 = [], time.perf_counter()
@@ -146,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                     answers.append(out[0, len(q["ids"]):].tolist())
                 rec["sparsekv_answers"] = answers
                 rec["sparsekv_answer_s"] = time.perf_counter() - t0
-            entry["contexts"][f"{b:g}"] = rec
-            print(f"prompt {i} budget {b:g}: kept {max(ctx.kept())}/{len(p['context_ids'])}, "
+            entry["contexts"][budget_label(b)] = rec
+            print(f"prompt {i} budget {budget_label(b)}: kept {max(ctx.kept())}/{len(p['context_ids'])}, "
                   f"{len(p['questions'])} questions", file=sys.stderr, flush=True)
         manifest["prompts"].append(entry)
         (args.out / "manifest.json").write_text(json.dumps(manifest) + "\n")
