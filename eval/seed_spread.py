@@ -20,8 +20,11 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `eval` as a package
 
 from eval.generalize_targets import SHARE_FLOOR, Grid, _iv, _pct, read_rows, share
 from sparsekv.evaluation.config import REFERENCE
