@@ -266,6 +266,14 @@ class EvictionConfig:
     """layout="static": slots beyond the largest budget, room for the entries of one step
     before they are evicted (a prefill chunk, or evict_slack + 1 decode tokens). None =
     max(prefill_chunk or 0, evict_slack + 1)."""
+    shared_core: float = 0.0
+    """A fraction of the tokens seen that every budgeted layer keeps in common: the entries the
+    first budgeted layer's scores rank highest (besides its sinks and recent window), counted
+    within each layer's own budget, so the schedule's total is unchanged; the rest of each
+    layer's budget follows its own scores. 0.0 = off (each layer ranks on its own). At most the
+    smallest layer's share of the schedule; a layer with less room keeps the core's best entries
+    that fit. With `prefill_chunk`, each chunk's core is kept: an entry that joins the core in a
+    later chunk may already be gone from a deeper layer."""
 
     def __post_init__(self) -> None:
         for name, value in self._checked().items():
@@ -318,6 +326,11 @@ class EvictionConfig:
             raise ValueError(f"prefill_chunk={self.prefill_chunk!r} must be None or an int >= 1")
         if not _is_number(self.pyramid_slope) or not (0.0 <= self.pyramid_slope < 1.0):
             raise ValueError(f"pyramid_slope={self.pyramid_slope!r} must be in [0, 1)")
+        if not _is_number(self.shared_core) or not (0.0 <= self.shared_core < 1.0):
+            raise ValueError(
+                f"shared_core={self.shared_core!r} must be a number in [0, 1) (a fraction of the "
+                "tokens seen; 0 = off)"
+            )
         if not (self.quantize is None or isinstance(self.quantize, str)) or (
             self.quantize not in QUANTIZE
         ):
@@ -325,7 +338,7 @@ class EvictionConfig:
                 f"quantize={self.quantize!r} is not supported; allowed values: None, 'int8'"
             )
         self._check_layout(budget)
-        return {"budget": budget, "schedule": schedule}
+        return {"budget": budget, "schedule": schedule, "shared_core": float(self.shared_core)}
 
     def _warn_floor(self) -> None:
         """Warn when a token budget is below the entries every layer keeps (sinks + recent
@@ -379,7 +392,12 @@ class EvictionConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as plain data; `shared_core` only when it is on (configs written before it
+        existed stay as they were)."""
+        d = asdict(self)
+        if not d["shared_core"]:
+            del d["shared_core"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvictionConfig:

@@ -377,7 +377,7 @@ def test_hooks_are_removed_on_close():
 @given(
     family=st.sampled_from(FAMILIES),
     n=st.integers(8, 48),
-    budget=st.one_of(st.floats(0.05, 1.0), st.integers(1, 40)),
+    budget=st.one_of(st.floats(0.05, 1.0), st.integers(2, 40), st.just("1tok")),
     schedule=st.sampled_from(["uniform", "pyramid"]),
     chunk=st.integers(3, 20),
     decode=st.integers(0, 6),

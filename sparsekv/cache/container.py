@@ -88,6 +88,13 @@ class SparseKVCache(Cache):
         schedule = self.policy.schedule or config.schedule
         fractions = layer_fractions(config, len(budgeted), schedule)
         self.shared = SharedState(config, self.policy, len(budgeted))
+        self.shared.min_fraction = min(fractions)
+        if isinstance(config.budget, float) and config.shared_core > min(fractions) + 1e-9:
+            raise ValueError(
+                f"shared_core={config.shared_core} is more than the smallest budgeted layer keeps "
+                f"({min(fractions):.3g} of the tokens under schedule {schedule!r} at budget "
+                f"{config.budget}); allowed: [0, {min(fractions):.3g}]"
+            )
         if isinstance(record_window, bool) or not isinstance(record_window, int) or record_window < 1:
             raise ValueError(f"record_window={record_window!r} must be an int >= 1")
         self.shared.record, self.shared.record_window = tuple(record), record_window

@@ -10,6 +10,7 @@ the static layout (`sparsekv.cache.static`) is its subclass."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from transformers.cache_utils import (
@@ -194,6 +195,7 @@ class EvictingLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
+        self.shared.core = None
         self.__init__(self.shared, self.layer_idx, self.budget_rank, self.fraction)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -207,6 +209,8 @@ class EvictingLayer(DynamicLayer):
             return
         self._take(slice(None, -n))
         self.seen -= n
+        if self.shared.core is not None:  # cropped positions leave the core
+            self.shared.core[..., self.seen :] = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(
@@ -220,6 +224,8 @@ class EvictingLayer(DynamicLayer):
                 t = getattr(self, name)
                 if t is not None:
                     setattr(self, name, t.repeat_interleave(repeats, dim=0))
+            if self.budget_rank == 0 and self.shared.core is not None:
+                self.shared.core = self.shared.core.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
@@ -227,6 +233,8 @@ class EvictingLayer(DynamicLayer):
                 t = getattr(self, name)
                 if t is not None:
                     setattr(self, name, t[indices])
+            if self.budget_rank == 0 and self.shared.core is not None:
+                self.shared.core = self.shared.core[indices]
 
     # ---- masks ------------------------------------------------------------------------------
     def note_padding(self, padding: torch.Tensor | None) -> None:
@@ -447,21 +455,49 @@ class EvictingLayer(DynamicLayer):
         self.decode_steps = 0
 
     def protected(self) -> torch.Tensor:
-        """`(batch, kv_heads, stored)` bool: sinks and the recent window."""
+        """`(batch, kv_heads, stored)` bool: sinks and the recent window, and in the budgeted
+        layers after the first the shared core (`EvictionConfig.shared_core`)."""
         cfg = self.shared.config
         pos = self.positions
         first = self.shared.first_valid
         start = first.to(self.device)[:, None, None] if first is not None else 0
         sinks = (pos >= 0) & (pos < start + cfg.sink_tokens)
         recent = pos >= self.seen - cfg.recent_window
-        return sinks | recent
+        kept = sinks | recent
+        core = self.shared.core
+        if self.budget_rank == 0 or core is None:
+            return kept
+        if core.shape[1] != pos.shape[1]:  # other KV-head counts: an entry any head holds
+            core = core.any(dim=1, keepdim=True).expand(-1, pos.shape[1], -1)
+        core = core.to(pos.device)
+        inside = (pos >= 0) & (pos < core.shape[-1])
+        member = core.gather(-1, pos.clamp(0, core.shape[-1] - 1)) & inside
+        return kept | member
+
+    def _update_core(self, prot: torch.Tensor) -> None:
+        """The first budgeted layer marks the core every later layer keeps: its best-scored
+        entries besides the protected ones, ceil(shared_core x tokens seen) of them, at most
+        what the smallest layer has room for beside its sinks and recent window."""
+        cfg, shared = self.shared.config, self.shared
+        room = layer_capacity(cfg, shared.min_fraction, self.seen) - cfg.sink_tokens - cfg.recent_window
+        k = min(math.ceil(cfg.shared_core * self.seen), room, self.stored())
+        b, h, _ = self.positions.shape
+        core = torch.zeros((b, h, self.seen + 1), dtype=torch.bool, device=self.device)
+        if k > 0:  # the last slot takes what is not a core entry (protected, padding)
+            eff = self.scores.masked_fill(prot | (self.positions < 0), float("-inf"))
+            best, idx = eff.topk(k, dim=-1, sorted=False)
+            pos = self.positions.gather(-1, idx).masked_fill(best == float("-inf"), self.seen)
+            core.scatter_(-1, pos, True)
+        shared.core = core[..., : self.seen]
 
     def evict(self, capacity: int) -> None:
         """Keep the `capacity` best entries per head (at least the protected ones)."""
         stored = self.stored()
+        prot = self.protected() if stored > capacity or self.shared.config.shared_core else None
+        if self.budget_rank == 0 and self.shared.config.shared_core and self.scores is not None:
+            self._update_core(prot)
         if stored <= capacity:
             return
-        prot = self.protected()
         # Enough room for every protected entry, computed on the host side (no device sync).
         cfg = self.shared.config
         k = min(stored, max(capacity, cfg.sink_tokens + cfg.recent_window))

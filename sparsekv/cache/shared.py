@@ -35,3 +35,8 @@ class SharedState:
         # token ids `(batch, new)` of the current forward, for policies that read them
         # (`Policy.needs_input_ids`); None when the forward had none
         self.input_ids: torch.Tensor | None = None
+        # `EvictionConfig.shared_core`: the smallest schedule weight of any budgeted layer (what
+        # bounds the core), and the core itself, `(batch, kv_heads, positions)` bool over
+        # absolute positions, set by the first budgeted layer whenever it evicts
+        self.min_fraction = 1.0
+        self.core: torch.Tensor | None = None
