@@ -14,6 +14,12 @@ stderr captured; fresh run into a folder with rows, --resume onto another model,
 Tiny random models only, one thread. Run:
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python eval/sweep_bad_inputs.py [--only SURFACE,...]
 Writes docs/results/bad-inputs/{cases.json, summary.md}.
+
+Round 2 (issue 36's target: other cases of the same breadth, none repeated from round 1):
+    python eval/sweep_bad_inputs.py --round 2
+runs eval/bad_inputs/round2_*.py (surface api so far; files, train, eval cli and kills to
+come; a fourth outcome, "data loss") and writes
+docs/results/bad-inputs/{round2.json, round2.md}.
 """
 
 from __future__ import annotations
@@ -39,9 +45,32 @@ torch.set_num_threads(1)
 
 
 from eval.bad_inputs import adapter_files, api, eval_cli, train_config  # noqa: E402,F401  (registers the cases, in this order)
-from eval.bad_inputs.framework import CASES, SURFACES, TMP, Case, Outcome, classify  # noqa: E402,F401
+from eval.bad_inputs.framework import (
+    CASES,
+    OUTCOMES,
+    SURFACES,
+    SURFACES2,
+    TMP,
+    Case,
+    Outcome,
+    classify,
+)
 
 CASES.sort(key=lambda c: SURFACES.index(c.surface))  # api, adapter files, train config, eval cli
+
+ROUND2_MODULES = ("round2_api",)
+"""Round 2's modules written so far; round2_files, round2_train, round2_eval_cli and
+round2_kills (the other surfaces of SURFACES2) are still to come."""
+
+
+def round2_cases() -> list[Case]:
+    """Round 2's cases (imported on demand, so round 1's list stays as it was)."""
+    import importlib
+
+    for name in ROUND2_MODULES:
+        importlib.import_module(f"eval.bad_inputs.{name}")
+    cases = [c for c in CASES if c.round == 2]
+    return sorted(cases, key=lambda c: SURFACES2.index(c.surface))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -49,9 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated surfaces (api, 'adapter files', ...)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "bad-inputs"))
+    ap.add_argument("--round", type=int, choices=(1, 2), default=1,
+                    help="1: the 365 cases of issue 16 (default); 2: issue 36's fresh sweep")
+    ap.add_argument("--match", help="round 2: only cases whose name contains this text")
     args = ap.parse_args(argv)
+    if args.round == 2:
+        return main_round2(args)
     only = set(args.only.split(",")) if args.only else set(SURFACES)
-    cases = [c for c in CASES if c.surface in only]
+    cases = [c for c in CASES if c.round == 1 and c.surface in only]
     t0 = time.time()
     results = []
     for i, c in enumerate(cases):
@@ -65,6 +99,36 @@ def main(argv: list[str] | None = None) -> int:
     (out / "cases.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / "summary.md").write_text(summary)
     print(summary)
+    shutil.rmtree(TMP, ignore_errors=True)
+    return 0
+
+
+def main_round2(args) -> int:
+    import platform
+
+    only = set(args.only.split(",")) if args.only else set(SURFACES2)
+    cases = [c for c in round2_cases() if c.surface in only
+             and (not args.match or args.match in c.name)]
+    t0 = time.time()
+    results = []
+    for i, c in enumerate(cases):
+        r = classify(c)
+        results.append(r)
+        print(f"[{i + 1}/{len(cases)}] {r.outcome:9s} {c.surface} / {c.name}", flush=True)
+    seconds = time.time() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs visible, Python "
+               f"{platform.python_version()}, torch {torch.__version__}")
+    counts = {k: sum(r.outcome == k for r in results) for k in OUTCOMES}
+    doc = {"round": 2, "command": "python eval/sweep_bad_inputs.py --round 2", "machine": machine,
+           "seconds": round(seconds, 1), "n": len(results), "counts": counts,
+           "cases": [r.__dict__ for r in results]}
+    suffix = "" if not (args.only or args.match) else "-partial"
+    from sparsekv.io import write_atomic
+
+    write_atomic(out / f"round2{suffix}.json", json.dumps(doc, indent=1) + "\n")
+    print(f"{len(results)} cases in {seconds:.0f} s: {counts}")
     shutil.rmtree(TMP, ignore_errors=True)
     return 0
 

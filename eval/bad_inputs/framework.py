@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,10 @@ from sparsekv.models.tiny import tiny_model
 
 CLEAR_TYPES = (ValueError, TypeError, FileNotFoundError)
 SURFACES = ("api", "adapter files", "train config", "eval cli")
+SURFACES2 = ("api", "files", "train", "eval cli", "kills")
+"""Round 2's surfaces (eval/bad_inputs/round2_*.py): the public API, files on disk (adapters,
+saved contexts, run folders), training (configs and runs), the eval CLI, and SIGKILLs."""
+OUTCOMES = ("clear", "unclear", "silent", "data loss")
 
 
 @dataclass
@@ -44,6 +49,16 @@ class Case:
     cli: bool = False
     warn_ok: bool = False
     """Carrying on with a warning (stderr) that names one of `names` is the right answer."""
+    round: int = 1
+
+
+@dataclass
+class Verdict:
+    """What a case returns when it judges the outcome itself (a kill, a result to compare):
+    `outcome` one of OUTCOMES ("clear" for a kill: nothing lost and the rerun finished)."""
+
+    outcome: str
+    message: str
 
 
 @dataclass
@@ -61,21 +76,28 @@ class Outcome:
 CASES: list[Case] = []
 
 
-def case(surface: str, group: str, name: str, names, cli: bool = False, warn_ok: bool = False):
+def case(surface: str, group: str, name: str, names, cli: bool = False, warn_ok: bool = False,
+         round: int = 1):
     """Register `fn` as a case; `names`: words of which one must appear in the error message."""
     if isinstance(names, str):
         names = (names,)
 
     def deco(fn):
-        CASES.append(Case(surface, group, name, fn, tuple(names), cli, warn_ok))
+        CASES.append(Case(surface, group, name, fn, tuple(names), cli, warn_ok, round))
         return fn
 
     return deco
 
 
 def add(surface: str, group: str, name: str, names, fn, cli: bool = False,
-        warn_ok: bool = False) -> None:
-    case(surface, group, name, names, cli, warn_ok)(fn)
+        warn_ok: bool = False, round: int = 1) -> None:
+    case(surface, group, name, names, cli, warn_ok, round)(fn)
+
+
+def add2(surface: str, group: str, name: str, names, fn, cli: bool = False,
+         warn_ok: bool = False) -> None:
+    """Register a case of round 2 (`python eval/sweep_bad_inputs.py --round 2`)."""
+    case(surface, group, name, names, cli, warn_ok, 2)(fn)
 
 
 def _names_in(msg: str, names: tuple[str, ...]) -> bool:
@@ -88,8 +110,14 @@ def classify(c: Case) -> Outcome:
     t0 = time.perf_counter()
     kind, msg, etype = "silent", "", None
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            ret = c.fn()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                ret = c.fn()
+            finally:
+                for w in caught:
+                    err.write(f"{w.category.__name__}: {w.message}\n")
     except SystemExit as e:  # argparse's exit 2 (its usage line names the flag)
         etype = "SystemExit"
         msg = err.getvalue().strip() or str(e)
@@ -109,7 +137,10 @@ def classify(c: Case) -> Outcome:
         msg = f"{e}{where}"
         kind = "unclear"
     else:
-        if c.cli:
+        if isinstance(ret, Verdict):
+            kind, msg = ret.outcome, ret.message
+            etype = "verdict"
+        elif c.cli:
             msg = err.getvalue().strip()
             if ret == 2:
                 etype = "exit 2"
@@ -119,6 +150,8 @@ def classify(c: Case) -> Outcome:
                 kind = "clear" if c.warn_ok and _names_in(msg, c.names) else "silent"
             else:
                 etype, kind = f"exit {ret}", "unclear"
+        elif c.warn_ok and _names_in(err.getvalue(), c.names):
+            kind, etype, msg = "clear", "warning", err.getvalue().strip()
         else:
             msg = f"accepted: {ret!r}"[:300]
     lines = [x for x in msg.splitlines() if x.strip()]
