@@ -371,7 +371,7 @@ def test_resuming_onto_another_model_is_a_clear_error(model, smoke_run, tmp_path
         run_inprocess(["max_steps=6", f"model={model}", *common(out, corpus)])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert f"was trained on model='tiny:llama' but this run loads model='{model}'" in err
+    assert f"was trained with model='tiny:llama' but this run has model='{model}'" in err
     assert (out / "config.yaml").read_text() == before
 
 

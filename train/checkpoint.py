@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -80,10 +81,40 @@ def save_state_dict(state: Any, path: str | Path) -> None:
 
 
 def load_state_dict(path: str | Path) -> Any:
-    """Inverse of `save_state_dict` (tensors come back on the CPU)."""
-    with safe_open(str(path), framework="pt") as f:
-        skeleton = json.loads(f.metadata()["skeleton"])
-    return _join(skeleton, load_file(str(path)))
+    """Inverse of `save_state_dict` (tensors come back on the CPU). A file that is not one
+    (unreadable, truncated, without its skeleton) is a ValueError naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            skeleton = json.loads((f.metadata() or {})["skeleton"])
+        return _join(skeleton, load_file(str(path)))
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"{path} is not a state file written by train.py ({why})") from None
+
+
+def optimizer_mismatch(state: Any, optimizer: torch.optim.Optimizer, names: list[str]) -> str | None:
+    """Why a loaded optimizer `state` does not fit `optimizer` (parameter groups, parameters per
+    group, the shape of each parameter's moments), naming the parameter from `names` (in the
+    optimizer's order); None when it fits. torch checks only the counts, and a state of other
+    shapes would load and fail at the next step."""
+    if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
+        return "it is not an optimizer state (no state and param_groups)"
+    saved, groups = state["param_groups"], optimizer.param_groups
+    if len(saved) != len(groups):
+        return f"it has {len(saved)} parameter groups, this run's optimizer {len(groups)}"
+    ids = [i for g in saved for i in g.get("params", [])]
+    params = [p for g in groups for p in g["params"]]
+    if len(ids) != len(params):
+        return f"it holds {len(ids)} parameters, this run's head {len(params)}"
+    for n, (i, p) in enumerate(zip(ids, params)):
+        for k, v in (state["state"].get(i) or {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
+                name = names[n] if n < len(names) else f"parameter {n}"
+                return (
+                    f"its {k} of {name} has shape {tuple(v.shape)}, the parameter "
+                    f"{tuple(p.shape)}"
+                )
+    return None
 
 
 # ---------------------------------------------------------------------- RNG
@@ -184,4 +215,8 @@ def write_json(obj: Any, path: Path) -> None:
 
 
 def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
+    """The JSON in `path`; a file that is not JSON (or not UTF-8) is a ValueError naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None

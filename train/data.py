@@ -23,20 +23,56 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def _read_jsonl(path: Path, text_field: str, limit: int | None) -> list[str]:
+    """The `text_field` strings of a JSONL file; a line that is not a JSON object holding a
+    string there, or bytes that are not UTF-8, are a ValueError naming `path:line`."""
     texts = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if limit is not None and len(texts) >= limit:
-                break
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            if text_field not in rec:
-                raise ValueError(
-                    f"{path}:{n}: no field text_field={text_field!r} (has {sorted(rec)})"
-                )
-            texts.append(rec[text_field])
+    try:
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if limit is not None and len(texts) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                texts.append(_jsonl_text(path, n, line, text_field))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{_bad_utf8_line(path)}: not UTF-8 text ({e.reason})") from None
     return texts
+
+
+def _jsonl_text(path: Path, n: int, line: str, text_field: str) -> str:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno}); each line must be a "
+            f"JSON object with a string field text_field={text_field!r}"
+        ) from None
+    if not isinstance(rec, dict):
+        raise ValueError(
+            f"{path}:{n}: a JSON {type(rec).__name__}, not an object with a string field "
+            f"text_field={text_field!r}"
+        )
+    if text_field not in rec:
+        raise ValueError(f"{path}:{n}: no field text_field={text_field!r} (has {sorted(rec)})")
+    return _text(rec[text_field], f"{path}:{n}: field {text_field!r}")
+
+
+def _text(value, where: str) -> str:
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise ValueError(f"{where} holds {value!r} ({kind}); the texts must be strings")
+    return value
+
+
+def _bad_utf8_line(path: Path) -> int:
+    """1-based number of the first line of `path` that is not UTF-8."""
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return n
+    return n
 
 
 def _load_with_datasets(name: str, config: str | None, split: str):
@@ -47,10 +83,21 @@ def _load_with_datasets(name: str, config: str | None, split: str):
     if p.is_dir() and saved:
         ds = datasets.load_from_disk(str(p))
         return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-    if p.suffix in (".parquet", ".json"):
-        kind = p.suffix.lstrip(".")
-        return datasets.load_dataset(kind, data_files=str(p), split="train")
-    return datasets.load_dataset(name, config, split=split)
+    if p.is_dir() and not any(q.is_file() for q in p.rglob("*")):
+        raise ValueError(
+            f"dataset={name!r} is an empty folder; point dataset at a data file "
+            f"({', '.join(LOCAL_SUFFIXES)}), a folder of them or a saved `datasets` folder"
+        )
+    try:
+        if p.suffix in (".parquet", ".json") and p.is_file():
+            kind = p.suffix.lstrip(".")
+            return datasets.load_dataset(kind, data_files=str(p), split="train")
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # datasets wraps the reader's error; its cause says what is wrong
+        cause = e.__cause__ or e
+        what = " ".join(str(cause).split()) or type(cause).__name__
+        where = "the file" if p.is_file() else "the folder" if p.is_dir() else "the dataset"
+        raise ValueError(f"dataset={name!r}: {where} could not be read ({what})") from e
 
 
 def load_texts(
@@ -63,6 +110,11 @@ def load_texts(
 ) -> list[str]:
     """The texts of `dataset` (at most `limit`). A missing local .jsonl is made by `build(path)`."""
     p = Path(dataset)
+    if p.suffix in LOCAL_SUFFIXES and p.is_dir():
+        raise ValueError(
+            f"dataset={dataset!r} is a folder, not a {p.suffix} file; name the file, or a folder "
+            "whose name does not end in a data file's suffix"
+        )
     if p.suffix == ".jsonl":
         if not p.exists():
             if build is None:
@@ -78,7 +130,10 @@ def load_texts(
         )
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
-    return list(ds[text_field])
+    texts = list(ds[text_field])
+    for i, t in enumerate(texts):
+        _text(t, f"dataset={dataset!r}: row {i} of column {text_field!r}")
+    return texts
 
 
 def _encode(tokenizer, texts: list[str], chunk: int = 256) -> list[list[int]]:
@@ -89,7 +144,12 @@ def _encode(tokenizer, texts: list[str], chunk: int = 256) -> list[list[int]]:
 
 
 def tokenize_blocks(
-    tokenizer, texts: list[str], seq_len: int, packing: str = "pack"
+    tokenizer,
+    texts: list[str],
+    seq_len: int,
+    packing: str = "pack",
+    name: str = "the dataset",
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(input_ids, attention_mask)`, both `(num_samples, seq_len)` int64.
 
@@ -102,12 +162,22 @@ def tokenize_blocks(
     what is left starting the next block (the rest padded); a text longer than a block fills
     blocks of its own and its tail (dropped under seq_len / 4 tokens) starts the next one: no
     text that fits a block is cut, and blocks are not mostly padding.
+
+    Texts that tokenize to no token are left out (a block of BOS and padding teaches nothing),
+    counted in one message to `warn`; when no text has a token, a ValueError names `name`.
     """
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     prefix = [bos] if bos is not None else []
     body = seq_len - len(prefix)
-    ids = _encode(tokenizer, texts)
+    ids = [x for x in _encode(tokenizer, texts) if len(x)]
+    if not ids:
+        raise ValueError(
+            f"{name}: none of its {len(texts)} texts has a token (all are empty); nothing to "
+            "train on: fill the texts, or check text_field"
+        )
+    if len(ids) < len(texts) and warn is not None:
+        warn(f"{name}: {len(texts) - len(ids)} of {len(texts)} texts have no token; left out")
     if packing == "pack":
         stream = []
         for x in ids:

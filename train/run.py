@@ -6,6 +6,8 @@ LR schedule (linear warm-up, cosine to a floor that holds after `schedule_steps`
 from __future__ import annotations
 
 import math
+import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,18 @@ class RunError(ValueError):
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier: linear 0->1 over `warmup` steps, cosine 1->min_ratio until `total`."""
+    """LR multiplier of the 0-based `step`: linear warm-up `(step + 1) / warmup` (the first step
+    trains at lr / warmup, step warmup - 1 at the peak), then a cosine from 1 at `warmup` down to
+    `min_ratio` at `total`, held there after it.
+
+    Kept instead of transformers' `get_cosine_with_min_lr_schedule_with_warmup`: measured with
+    transformers 5.24 for warmup=3, total=10, min_ratio=0.1, steps 0-12,
+      this:          0.333 0.667 1.0 1.0 0.955 0.831 0.650 0.450 0.269 0.145 0.1 0.1   0.1
+      transformers:  0.0   0.333 0.667 1.0 0.955 0.831 0.650 0.450 0.269 0.145 0.1 0.145 0.269
+    Equal from step `warmup` to `total`; but theirs trains step 0 at lr 0 and every warm-up
+    step one step behind (the shipped recipes warm up for 10, 20 or 100 steps: their learning
+    rates, hence their results, would change), and rises again after `total`, where
+    `schedule_steps` needs the floor to hold (a run extended past it)."""
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -33,6 +46,15 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
 def prepare_run_dir(cfg: TrainConfig, acc) -> None:
     """Create the run folder and save the resolved config beside the checkpoints."""
     run_dir = cfg.run_dir
+    for folder in (run_dir, *run_dir.parents):  # the first that exists must be a folder
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is" if folder == run_dir else f"lies under {str(folder)!r}, which is"
+                raise RunError(
+                    f"output_dir={str(run_dir)!r} {where} a file, not a folder; choose a new "
+                    "folder or a run folder for output_dir"
+                )
+            break
     if cfg.resume == "never" and ckpt.step_dirs(run_dir):  # every process stops, none waits
         raise SystemExit(
             f"output_dir={str(run_dir)!r} already holds checkpoints; pass resume=auto to "
@@ -61,17 +83,77 @@ def resume_path(cfg: TrainConfig) -> Path | None:
 
 
 def check_resume_model(cfg: TrainConfig) -> None:
-    """Resuming a checkpoint trained on another base model is an error, raised before anything
-    is written or loaded (the head would be loaded onto a model it was not trained for)."""
+    """Resuming a checkpoint trained on another base model or another head (`head`,
+    `head_hidden`) is an error, and so is a damaged trainer_state.json: raised before anything
+    is written or loaded (the head would not fit the model or the saved weights)."""
     path = resume_path(cfg)
-    if path is None or not (path / ckpt.TRAINER_STATE).is_file():
+    if path is None:
         return
-    was = ckpt.read_json(path / ckpt.TRAINER_STATE).get("config", {}).get("model")
-    if was is not None and was != cfg.model:
+    if not (path / ckpt.TRAINER_STATE).is_file():
+        if cfg.resume == "auto":  # ckpt.latest only returns complete folders
+            return
         raise RunError(
-            f"resume: {path} was trained on model={was!r} but this run loads model={cfg.model!r}; "
-            "resume with the same model, or start a new run (another output_dir, or resume=never "
-            "in an empty one)"
+            f"resume={cfg.resume!r}: {path} is not a complete step-N checkpoint (no "
+            f"{ckpt.TRAINER_STATE}); allowed: auto, never or a step-N folder of a run"
+        )
+    saved = read_trainer_state(path)
+    was = saved.get("config", {})
+    keys = ["model", "head"] + (["head_hidden"] if cfg.head != "linear" else [])
+    for key in keys:  # "linear" has no hidden layer: its width changes nothing
+        before, now = was.get(key), getattr(cfg, key)
+        if before is not None and before != now:
+            raise RunError(
+                f"resume: {path} was trained with {key}={before!r} but this run has "
+                f"{key}={now!r}; resume with {key}={before!r}, or start a new run (another "
+                "output_dir, or resume=never in an empty one)"
+            )
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """`path`/trainer_state.json, checked: a JSON object with int `step`, `samples_seen` and
+    `tokens_seen`; anything else is a `RunError` naming the file."""
+    file = path / ckpt.TRAINER_STATE
+    older = [str(p) for _, p in ckpt.step_dirs(path.parent) if p != path]
+    hint = f"resume={older[-1]} (the newest other checkpoint)" if older else "resume=never"
+    try:
+        state = ckpt.read_json(file)
+    except ValueError as e:
+        raise RunError(f"resume: damaged checkpoint: {e}; resume with {hint}") from None
+    bad = (
+        ["(not a JSON object)"]
+        if not isinstance(state, dict)
+        else [k for k in ("step", "samples_seen", "tokens_seen")
+              if isinstance(state.get(k), bool) or not isinstance(state.get(k), int)]
+    )
+    if bad or not isinstance(state.get("config", {}), dict):
+        what = ", ".join(bad) or "config"
+        raise RunError(f"resume: {file} is damaged (no valid {what}); resume with {hint}")
+    return state
+
+
+def check_layers(cfg: TrainConfig, model: nn.Module) -> None:
+    """`layers` must be full-attention layers of `model`: the cache budgets only those (a
+    sliding-window layer keeps its window), so a head on a sliding layer trains and then fails
+    at generate. A `RunError` names the sliding and the allowed layers."""
+    if cfg.layers is None:
+        return
+    from sparsekv.models.families import model_shape
+
+    shape = model_shape(model)
+    full = shape.full_layers
+    sliding = [i for i in range(shape.num_layers) if i not in full]
+    outside = [i for i in cfg.layers if i >= shape.num_layers]
+    slid = [i for i in cfg.layers if i in sliding]
+    if outside or slid:
+        what = (
+            f"names layer(s) {outside} but model={cfg.model!r} has {shape.num_layers} layers"
+            if outside
+            else f"names sliding-window layer(s) {slid} of model={cfg.model!r} (its sliding "
+            f"layers: {sliding}), which the cache never budgets"
+        )
+        raise RunError(
+            f"layers={cfg.layers} {what}; allowed: the full-attention layers {full} (any of "
+            "them, or layers=null for all)"
         )
 
 
@@ -111,16 +193,22 @@ def build_data(cfg: TrainConfig, tokenizer, acc) -> BlockDataset:
 
         build_file(path, cfg.build_config())
 
-    with acc.main_process_first():
-        texts = load_texts(
-            cfg.dataset,
-            cfg.text_field,
-            cfg.dataset_split,
-            cfg.dataset_config,
-            cfg.max_documents,
-            build=build if acc.is_main_process else None,
-        )
-    ids, mask = tokenize_blocks(tokenizer, texts, cfg.seq_len, cfg.packing)
+    name = f"dataset={cfg.dataset!r}"
+    try:
+        with acc.main_process_first():
+            texts = load_texts(
+                cfg.dataset,
+                cfg.text_field,
+                cfg.dataset_split,
+                cfg.dataset_config,
+                cfg.max_documents,
+                build=build if acc.is_main_process else None,
+            )
+        warn = partial(print, "warning:", file=sys.stderr) if acc.is_main_process else None
+        ids, mask = tokenize_blocks(tokenizer, texts, cfg.seq_len, cfg.packing, name, warn)
+    except (ValueError, OSError) as e:  # each names its file, line or the dataset
+        named = "dataset=" in str(e) or str(Path(cfg.dataset)) in str(e)
+        raise RunError(str(e) if named else f"{name}: {e}") from None
     ids, mask = select_samples(ids, mask, cfg.max_samples, cfg.seed)
     return BlockDataset(ids, mask, cfg.seed)
 

@@ -21,6 +21,7 @@ stale is ever served. (`min_distance`, the decode-time option, is part of the ta
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,36 @@ from torch import nn
 from sparsekv.teacher.store import sha256_of
 
 FORMAT = 1
+
+
+class NonFiniteTeacher(ValueError):
+    """Teacher targets or head inputs holding NaN or inf at a valid position: training on them
+    would turn the head's weights into NaN. `what` ("targets" or "head inputs"), `layer`, and
+    `rows`, the batch rows concerned; the trainer names the step and the samples."""
+
+    def __init__(self, what: str, layer: int, rows: list[int]):
+        self.what, self.layer, self.rows = what, layer, rows
+        super().__init__(f"the teacher's {what} of layer {layer} hold NaN or inf in batch rows {rows}")
+
+
+def check_finite(
+    targets: dict[int, torch.Tensor],
+    hidden: dict[int, torch.Tensor],
+    attention_mask: torch.Tensor,
+    layers: Sequence[int],
+) -> None:
+    """Raise `NonFiniteTeacher` for the first layer whose targets `(batch, kv_heads, seq)` or
+    head inputs `(batch, seq, hidden)` are not finite where `attention_mask` `(batch, seq)` is set
+    (padding is never trained on, whatever it holds)."""
+    valid = attention_mask.bool()
+    for i in layers:
+        for what, t, where in (
+            ("targets", targets[i], valid[:, None, :]),
+            ("head inputs", hidden[i], valid[:, :, None]),
+        ):
+            bad = (~torch.isfinite(t) & where.to(t.device)).flatten(1).any(1)
+            if bad.any():
+                raise NonFiniteTeacher(what, i, bad.nonzero().flatten().tolist())
 
 
 def model_identity(model: nn.Module, base_id: str) -> dict[str, Any]:
@@ -50,7 +81,8 @@ def model_identity(model: nn.Module, base_id: str) -> dict[str, Any]:
 class TargetCache:
     """Per-example teacher results under `folder`, keyed as the module docstring says.
 
-    `hits` and `misses` count rows served from disk and rows computed since creation.
+    `hits` and `misses` count rows served from disk and rows computed since creation, `damaged`
+    the files found damaged (and computed again).
     """
 
     def __init__(
@@ -78,6 +110,7 @@ class TargetCache:
         self.folder = Path(folder) / self.fingerprint[:16]
         self.hits = 0
         self.misses = 0
+        self.damaged = 0
 
     @staticmethod
     def example_key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> str:
@@ -89,18 +122,46 @@ class TargetCache:
     def path(self, key: str) -> Path:
         return self.folder / f"{key[:32]}.safetensors"
 
-    def load(self, key: str) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None:
-        """`(targets, hidden)` of one row (layer -> `(kv_heads, seq)`, `(seq, hidden)`), or None."""
-        from safetensors.torch import load_file
+    def load(
+        self, key: str, seq_len: int | None = None
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None:
+        """`(targets, hidden)` of one row (layer -> `(kv_heads, seq)`, `(seq, hidden)`), or None
+        when it is not cached. A damaged file (truncated, unreadable, another row's, a missing
+        tensor, another `seq_len`) is reported once on stderr, counted in `damaged`, and read
+        as a miss, so the row is computed again and its file rewritten."""
+        from safetensors import SafetensorError, safe_open
 
         p = self.path(key)
         if not p.is_file():
             return None
-        t = load_file(str(p))
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                meta = f.metadata() or {}
+                t = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            return self._damaged(p, f"unreadable: {' '.join(str(e).split())}")
+        if meta.get("fingerprint") != self.fingerprint or meta.get("example") != key:
+            return self._damaged(p, "it was written for another row or target")
+        names = [f"{kind}.{i}" for kind in ("target", "hidden") for i in self.layers]
+        missing = [n for n in names if n not in t]
+        if missing:
+            return self._damaged(p, f"no tensor {missing[0]}")
+        for n in names:
+            dims, seq = (2, -1) if n.startswith("target") else (2, 0)
+            if t[n].dim() != dims or (seq_len is not None and t[n].shape[seq] != seq_len):
+                return self._damaged(p, f"{n} has shape {tuple(t[n].shape)}")
         return (
             {i: t[f"target.{i}"] for i in self.layers},
             {i: t[f"hidden.{i}"] for i in self.layers},
         )
+
+    def _damaged(self, path: Path, why: str) -> None:
+        self.damaged += 1
+        print(
+            f"warning: teacher_cache entry {path} is damaged ({why}); computing it again",
+            file=sys.stderr,
+        )
+        return None
 
     def save(
         self, key: str, targets: dict[int, torch.Tensor], hidden: dict[int, torch.Tensor]
@@ -163,12 +224,16 @@ class TeacherTargets:
             return self.compute(model, input_ids, attention_mask)
         cache, device = self.cache, input_ids.device
         keys = [cache.example_key(i, m) for i, m in zip(input_ids, attention_mask)]
-        rows: list[tuple[dict, dict] | None] = [cache.load(k) for k in keys]
+        rows: list[tuple[dict, dict] | None] = [cache.load(k, input_ids.shape[1]) for k in keys]
         todo = [r for r, got in enumerate(rows) if got is None]
         cache.hits += len(keys) - len(todo)
         cache.misses += len(todo)
         if todo:
             t, h = self.compute(model, input_ids[todo], attention_mask[todo])
+            try:  # never cached: a later epoch would read them back
+                check_finite(t, h, attention_mask[todo], self.layers)
+            except NonFiniteTeacher as e:
+                raise NonFiniteTeacher(e.what, e.layer, [todo[r] for r in e.rows]) from None
             for j, r in enumerate(todo):
                 rows[r] = ({i: t[i][j] for i in self.layers}, {i: h[i][j] for i in self.layers})
                 cache.save(keys[r], *rows[r])

@@ -22,12 +22,15 @@ from train.distributed import describe_distributed, make_accelerator, outside_ze
 from train.metrics import MetricsLog
 from train.models import load_model
 from train.objective import LayerwiseHead, build_objective, count_parameters
+from train.targets import NonFiniteTeacher
 from train.run import (
     RunError,
     build_adapter,
     build_data,
     changed_keys,
+    check_layers,
     prepare_run_dir,
+    read_trainer_state,
     resume_path,
     warmup_cosine,
 )
@@ -70,6 +73,7 @@ class Trainer:
             self.model, tok, self.base_id = load_model(
                 cfg.model, cfg.dtype, cfg.attn_implementation, cfg.seed, self.acc.device
             )
+        check_layers(cfg, self.model)  # before the data: a sliding layer is refused at once
         self.data = build_data(cfg, tok, self.acc)
         self.tokenizer = tok
         self.adapter = build_adapter(cfg, self.model, self.base_id)
@@ -99,13 +103,17 @@ class Trainer:
         sums: dict[str, float] = {}
         tokens = 0
         for _ in range(cfg.grad_accum):
+            position = self.state.samples_seen
             ids, mask = self.data.batch(
-                self.state.samples_seen, cfg.batch_size, acc.process_index, acc.num_processes
+                position, cfg.batch_size, acc.process_index, acc.num_processes
             )
             self.state.samples_seen += cfg.batch_size * acc.num_processes
             ids, mask = ids.to(acc.device), mask.to(acc.device)
             with acc.accumulate(self.head):
-                loss, m = self.objective(self.model, self.head, ids, mask)
+                try:
+                    loss, m = self.objective(self.model, self.head, ids, mask)
+                except NonFiniteTeacher as e:
+                    raise self._non_finite(e, position) from None
                 acc.backward(loss)
                 if acc.sync_gradients and cfg.grad_clip is not None:
                     norm = acc.clip_grad_norm_(self.head.parameters(), cfg.grad_clip)
@@ -119,6 +127,23 @@ class Trainer:
         self.scheduler.step()
         self.state.step += 1
         return self._reduce(sums, tokens)
+
+    def _non_finite(self, e: NonFiniteTeacher, position: int) -> RunError:
+        """The step, the samples (positions in the data stream) and the dataset blocks whose
+        teacher results are not finite: refused, never trained on."""
+        first = position + self.acc.process_index * self.cfg.batch_size
+        samples = [first + r for r in e.rows]
+        blocks = [self.data.index(p) for p in samples]
+        hint = (
+            f"; dtype={self.cfg.dtype} may overflow: try dtype=float32"
+            if self.cfg.dtype != "float32"
+            else ""
+        )
+        return RunError(
+            f"step {self.state.step + 1}: the teacher's {e.what} of layer {e.layer} hold NaN or "
+            f"inf for sample(s) {samples} (block(s) {blocks} of dataset={self.cfg.dataset!r}); "
+            f"refusing to train on them{hint}"
+        )
 
     def _reduce(self, sums: dict[str, float], tokens: int) -> dict[str, float]:
         """Average metrics over processes; count tokens over processes."""
@@ -222,35 +247,64 @@ class Trainer:
         if path is None:
             return
         if not (path / ckpt.TRAINER_STATE).is_file():
-            raise FileNotFoundError(
+            raise RunError(
                 f"resume={cfg.resume!r}: {path} is not a complete step-N checkpoint"
             )
         self.load(path)
 
     def load(self, path: Path) -> None:
+        """Continue from `path` (a step-N/ folder). A folder that does not fit this run (another
+        model, layers or head; an optimizer state of other parameters) or a damaged file in it
+        is a `RunError` naming the file, raised before any state is changed."""
         from sparsekv.scoring.adapter import ScorerAdapter
 
         acc = self.acc
-        saved_adapter = ScorerAdapter.from_pretrained(str(path / "adapter"))
-        try:  # another model (or other layers) is an error here, not in load_state_dict
-            saved_adapter.check_compatible(self.model)
-        except ValueError as e:
+        try:
+            saved_adapter = ScorerAdapter.from_pretrained(str(path / "adapter"))
+            saved_adapter.check_compatible(self.model)  # here, not in load_state_dict
+        except (ValueError, OSError) as e:
             raise RunError(f"resume: {path}: {e}") from None
         if saved_adapter.config.layers != self.adapter.config.layers:
             raise RunError(
                 f"resume: {path} has heads on layers {saved_adapter.config.layers} but this run "
                 f"puts them on {self.adapter.config.layers}; resume with the same layers"
             )
+        saved_head = {"head": saved_adapter.config.kind, "head_hidden": saved_adapter.config.hidden}
+        for key, before in saved_head.items():
+            if key == "head_hidden" and self.cfg.head == "linear":
+                break  # a linear head has no hidden width
+            if before != getattr(self.cfg, key):
+                raise RunError(
+                    f"resume: {path} holds a head with {key}={before!r} but this run has "
+                    f"{key}={getattr(self.cfg, key)!r}; resume with {key}={before!r}"
+                )
+        saved = read_trainer_state(path)
+        try:
+            scheduler = ckpt.read_json(path / "scheduler.json")
+            rng = path / f"rng_state_{acc.process_index}.safetensors"
+            # absent when resuming with more processes than were saved
+            rng_state = ckpt.load_state_dict(rng) if rng.exists() else None
+            optimizer = None
+            if not self._deepspeed:
+                optimizer = ckpt.load_state_dict(path / "optimizer.safetensors")
+        except (ValueError, OSError) as e:
+            raise RunError(f"resume: damaged checkpoint: {e}; resume from another step-N folder") from None
+        if optimizer is not None:
+            names = [n for n, _ in self.adapter.head.named_parameters()]
+            why = ckpt.optimizer_mismatch(optimizer, self.optimizer, names)
+            if why is not None:
+                raise RunError(
+                    f"resume: {path / 'optimizer.safetensors'} does not fit this run's head: "
+                    f"{why}; it belongs to another run"
+                )
         if self._deepspeed:
             acc.load_state(str(path / "deepspeed"))
         else:
             self.adapter.head.load_state_dict(saved_adapter.head.state_dict())
-            self.optimizer.load_state_dict(ckpt.load_state_dict(path / "optimizer.safetensors"))
-        self.scheduler.load_state_dict(ckpt.read_json(path / "scheduler.json"))
-        rng = path / f"rng_state_{acc.process_index}.safetensors"
-        if rng.exists():  # absent when resuming with more processes than were saved
-            ckpt.set_rng_state(ckpt.load_state_dict(rng))
-        saved = ckpt.read_json(path / ckpt.TRAINER_STATE)
+            self.optimizer.load_state_dict(optimizer)
+        self.scheduler.load_state_dict(scheduler)
+        if rng_state is not None:
+            ckpt.set_rng_state(rng_state)
         self.state = TrainState(saved["step"], saved["samples_seen"], saved["tokens_seen"])
         changed = changed_keys(saved.get("config", {}), self.cfg.to_dict())
         if changed:
