@@ -136,6 +136,26 @@ def load_texts(
     return texts
 
 
+
+def config_texts(cfg, build: bool = True) -> list[str]:
+    """The texts of a training config's dataset (`dataset`, `text_field`, `dataset_split`,
+    `dataset_config`, `max_documents`); a missing local .jsonl is built from its `build`
+    settings when `build` is True (else `load_texts`' error)."""
+
+    def make(path: Path) -> None:
+        from data.build import build_file
+
+        build_file(path, cfg.build_config())
+
+    return load_texts(
+        cfg.dataset,
+        cfg.text_field,
+        cfg.dataset_split,
+        cfg.dataset_config,
+        cfg.max_documents,
+        build=make if build else None,
+    )
+
 def _encode(tokenizer, texts: list[str], chunk: int = 256) -> list[list[int]]:
     out: list[list[int]] = []
     for i in range(0, len(texts), chunk):

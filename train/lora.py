@@ -326,7 +326,7 @@ def train_for_adapter(cfg) -> dict[str, Any]:
     `cfg` is the `TrainConfig`; its model, dataset and seed keys apply."""
     from sparsekv.scoring.adapter import ScorerAdapter
     from train.config import dump_yaml
-    from train.data import load_texts
+    from train.data import config_texts
     from train.models import load_model
 
     lcfg = cfg.lora_config()
@@ -337,19 +337,7 @@ def train_for_adapter(cfg) -> dict[str, Any]:
     adapter = ScorerAdapter.from_pretrained(lcfg.adapter)
     adapter.check_compatible(model)
 
-    def build(path: Path) -> None:
-        from data.build import build_file
-
-        build_file(path, cfg.build_config())
-
-    texts = load_texts(
-        cfg.dataset,
-        cfg.text_field,
-        cfg.dataset_split,
-        cfg.dataset_config,
-        cfg.max_documents,
-        build=build,
-    )
+    texts = config_texts(cfg)
     train_blocks, eval_blocks = lora_blocks(lcfg, texts, tok)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)

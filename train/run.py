@@ -15,7 +15,7 @@ from torch import nn
 
 from train import checkpoint as ckpt
 from train.config import TrainConfig, dump_yaml
-from train.data import BlockDataset, load_texts, select_samples, tokenize_blocks
+from train.data import BlockDataset, config_texts, select_samples, tokenize_blocks
 
 
 class RunError(ValueError):
@@ -188,22 +188,10 @@ def build_data(cfg: TrainConfig, tokenizer, acc) -> BlockDataset:
         ids, mask = select_samples(ids, mask, cfg.max_samples, cfg.seed)
         return BlockDataset(ids, mask, cfg.seed)
 
-    def build(path: Path) -> None:
-        from data.build import build_file
-
-        build_file(path, cfg.build_config())
-
     name = f"dataset={cfg.dataset!r}"
     try:
         with acc.main_process_first():
-            texts = load_texts(
-                cfg.dataset,
-                cfg.text_field,
-                cfg.dataset_split,
-                cfg.dataset_config,
-                cfg.max_documents,
-                build=build if acc.is_main_process else None,
-            )
+            texts = config_texts(cfg, build=acc.is_main_process)
         warn = partial(print, "warning:", file=sys.stderr) if acc.is_main_process else None
         ids, mask = tokenize_blocks(tokenizer, texts, cfg.seq_len, cfg.packing, name, warn)
     except (ValueError, OSError) as e:  # each names its file, line or the dataset

@@ -242,21 +242,9 @@ def build_store(
 def text_blocks(cfg, tokenizer, length: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """A training config's token blocks of `length` tokens (its dataset, built if missing, cut
     with its packing) and the text settings they come from."""
-    from train.data import load_texts, tokenize_blocks
+    from train.data import config_texts, tokenize_blocks
 
-    def build(path: Path) -> None:
-        from data.build import build_file
-
-        build_file(path, cfg.build_config())
-
-    texts = load_texts(
-        cfg.dataset,
-        cfg.text_field,
-        cfg.dataset_split,
-        cfg.dataset_config,
-        cfg.max_documents,
-        build=build,
-    )
+    texts = config_texts(cfg)
     ids, mask = tokenize_blocks(tokenizer, texts, length, cfg.packing)
     text = {
         "dataset": cfg.dataset,
