@@ -86,21 +86,28 @@ def main(argv: list[str] | None = None) -> int:
         return main_round2(args)
     only = set(args.only.split(",")) if args.only else set(SURFACES)
     cases = [c for c in CASES if c.round == 1 and c.surface in only]
-    t0 = time.time()
-    results = []
-    for i, c in enumerate(cases):
-        r = classify(c)
-        results.append(r)
-        print(f"[{i + 1}/{len(cases)}] {r.outcome:7s} {c.surface} / {c.name}", flush=True)
+    results, seconds = run_cases(cases, width=7)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [r.__dict__ for r in results]
-    summary = summarize(results, time.time() - t0)
+    summary = summarize(results, seconds)
     (out / "cases.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / "summary.md").write_text(summary)
     print(summary)
     shutil.rmtree(TMP, ignore_errors=True)
     return 0
+
+
+def run_cases(cases: list, width: int) -> tuple[list, float]:
+    """Classify each case, printing one progress line per case (outcome padded to `width`);
+    returns the results and the seconds taken."""
+    t0 = time.time()
+    results = []
+    for i, c in enumerate(cases):
+        r = classify(c)
+        results.append(r)
+        print(f"[{i + 1}/{len(cases)}] {r.outcome:{width}s} {c.surface} / {c.name}", flush=True)
+    return results, time.time() - t0
 
 
 def main_round2(args) -> int:
@@ -109,13 +116,7 @@ def main_round2(args) -> int:
     only = set(args.only.split(",")) if args.only else set(SURFACES2)
     cases = [c for c in round2_cases() if c.surface in only
              and (not args.match or args.match in c.name)]
-    t0 = time.time()
-    results = []
-    for i, c in enumerate(cases):
-        r = classify(c)
-        results.append(r)
-        print(f"[{i + 1}/{len(cases)}] {r.outcome:9s} {c.surface} / {c.name}", flush=True)
-    seconds = time.time() - t0
+    results, seconds = run_cases(cases, width=9)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs visible, Python "
