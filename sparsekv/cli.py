@@ -13,13 +13,23 @@ def _model_info(args: argparse.Namespace) -> int:
     from sparsekv.models.default import load_default_model, resolve_dtype
     from sparsekv.models.families import model_shape
 
+    from sparsekv.models.loading import validate_model_spec
+
     dtype = resolve_dtype(args.dtype, "--dtype")
+    validate_model_spec(args.model, hub=True, name="--model")
     if args.model == "default":
         model, _ = load_default_model(dtype=dtype)
+    elif args.model.startswith("tiny:"):
+        from sparsekv.models.tiny import tiny_model
+
+        model = tiny_model(args.model.removeprefix("tiny:"))
     else:
         from transformers import AutoConfig
 
-        model = AutoConfig.from_pretrained(args.model)
+        try:
+            model = AutoConfig.from_pretrained(args.model)
+        except OSError as e:  # a Hub id that is not there or not reachable
+            raise ValueError(f"--model {args.model!r} could not be read: {e}") from None
     shape = model_shape(model)
     per_tok = shape.kv_bytes_per_token(dtype)
     full = shape.full_layers
@@ -49,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsekv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     mi = sub.add_parser("model-info", help="print layer types, KV heads, head dim, KV bytes/token")
-    mi.add_argument("--model", default="default", help="'default' (gemma-3-270m) or a local HF folder")
+    mi.add_argument("--model", default="default", help="'default' (gemma-3-270m), tiny:<family>, a local HF folder or a Hub id")
     mi.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     mi.add_argument("--json", action="store_true", help="print JSON")
     mi.set_defaults(func=_model_info)

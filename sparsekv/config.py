@@ -138,6 +138,11 @@ class Tokens(int):
         return super().__new__(cls, n)
 
 
+MIN_FRACTION = 1e-4
+"""The smallest fractional budget: below it a layer keeps less than one token in 10,000 (at
+the longest contexts any model here reads, fewer tokens than its sinks and recent window)."""
+
+
 def check_budget(b: Any) -> float | int:
     """A budget checked by the one rule the API (`EvictionConfig.budget`) and the command line
     (`sparsekv eval --budget`) share: a float in (0, 1] is a fraction of the tokens seen; an int
@@ -160,6 +165,13 @@ def check_budget(b: Any) -> float | int:
         raise ValueError(
             f"budget={b!r}: a float budget is a fraction in (0, 1]; use an int for a token "
             "count"
+        )
+    if isinstance(b, float) and b < MIN_FRACTION:
+        raise ValueError(
+            f"budget={b!r} keeps less than one token in {round(1 / MIN_FRACTION):,} (every "
+            "layer would keep only its sinks and recent window); a fraction is at least "
+            f"{MIN_FRACTION:g}: give a fraction such as 0.1, or a token count such as "
+            f'"64{TOKENS_SUFFIX}"'
         )
     if isinstance(b, int) and b < 1:
         raise ValueError(f"budget={b!r}: an int budget is a token count >= 1")
@@ -377,6 +389,20 @@ class EvictionConfig:
                 raise ValueError(f"{name}={v!r} must be None or an int >= 1")
         if self.layout != "static":
             return
+        floor = self.sink_tokens + self.recent_window
+        if self.max_length is not None and self.max_length <= floor and budget != 1.0:
+            raise ValueError(
+                f"max_length={self.max_length} is not above sink_tokens + recent_window = "
+                f"{self.sink_tokens} + {self.recent_window} = {floor}, the entries every layer "
+                "keeps: nothing could ever be evicted. Give a larger max_length (the longest "
+                "sequence the buffers hold) or lower sink_tokens / recent_window"
+            )
+        if self.max_length is not None and not isinstance(budget, float) and budget > self.max_length:
+            raise ValueError(
+                f"budget={int(budget)} tokens is more than max_length={self.max_length} (the "
+                "longest sequence the static buffers hold): nothing would be evicted. Give a "
+                "budget below max_length, or a larger max_length"
+            )
         if isinstance(budget, float) and self.max_length is None:
             raise ValueError(
                 f"layout='static' with a fractional budget={budget!r} needs max_length "

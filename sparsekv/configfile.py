@@ -26,6 +26,32 @@ def yaml_problem(e: Exception) -> str:
     return f"{getattr(e, 'problem', None) or type(e).__name__}{where}"
 
 
+def _unique_keys_loader():
+    """yaml.SafeLoader that refuses a key written twice in one mapping (plain YAML keeps the last
+    one without a word, so `lr: 0.1` ... `lr: 0.002` would train with the second)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the base class says so
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise yaml.constructor.ConstructorError(
+                        None, None,
+                        f"duplicate key {key!r} (first at line {first}; YAML would keep only the "
+                        "last): write each key once",
+                        key_node.start_mark,
+                    )
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def read_yaml_mapping(path: str | os.PathLike, label: str = "config file") -> dict[str, Any]:
     """The mapping a YAML file holds (an empty file is `{}`); `label` names the file in errors
     (e.g. "--config")."""
@@ -36,7 +62,7 @@ def read_yaml_mapping(path: str | os.PathLike, label: str = "config file") -> di
         what = "is a folder, not a file" if p.is_dir() else "does not exist"
         raise ValueError(f"{label} {str(p)!r} {what}")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_unique_keys_loader()) or {}
     except UnicodeDecodeError as e:
         raise ValueError(f"{label} {str(p)!r} is not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "fsync_path", "pid_alive", "read_jsonl", "write_atomic"]
+__all__ = ["atomic_path", "fsync_path", "only_a_path", "pid_alive", "read_jsonl", "write_atomic"]
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -41,6 +41,16 @@ def fsync_path(path: str | os.PathLike) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def only_a_path(name: str | os.PathLike) -> bool:
+    """Whether a name can only be a path, never a Hugging Face Hub repo id ('name' or
+    'namespace/name'): a PathLike, or a string that is absolute, starts with . or ~, holds a
+    backslash, more than one '/' or ends with one. Used to say "does not exist" for a missing
+    folder instead of a Hub error."""
+    if not isinstance(name, str):
+        return True
+    return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
 
 
 def pid_alive(pid: int) -> bool:

@@ -23,6 +23,7 @@ from sparsekv.cache.hooks import (
     _after_forward,
     _arm,
     _capture_hidden,
+    _check_inputs,
     _chunk_prefill,
     _note_inputs,
     _remove_hooks,
@@ -229,6 +230,24 @@ class SparseKVCache(Cache):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `abs(tokens_to_remove)` tokens (transformers' convention: a negative
+        int); only before the first eviction. Raises ValueError for anything but an int whose
+        size is at most the tokens seen."""
+        n = tokens_to_remove
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ValueError(
+                f"crop(tokens_to_remove={n!r}): tokens_to_remove must be an int (negative: the "
+                "number of tokens to remove from the end), got "
+                f"{type(n).__name__}"
+            )
+        seen = self.tokens_seen()
+        if abs(n) > seen:
+            raise ValueError(
+                f"crop(tokens_to_remove={n}) removes more tokens than the cache has seen ({seen})"
+            )
+        super().crop(n)
+
     def __deepcopy__(self, memo: dict) -> SparseKVCache:
         """A new cache on the same model and policy holding copies of this cache's kept entries
         and counters (transformers' prompt-reuse recipe: prefill once, `copy.deepcopy(cache)`
@@ -311,6 +330,7 @@ class SparseKVCache(Cache):
                 self._hooks.append(
                     modules[i].register_forward_pre_hook(_capture_hidden(ref, layer, first), with_kwargs=True)
                 )
+        self._hooks.append(model.register_forward_pre_hook(_check_inputs(ref), with_kwargs=True))
         if self.config.layout == "static":  # decode steps are scored once the forward returns
             self._hooks.append(model.register_forward_hook(finish_hook(ref), with_kwargs=True))
         if self.config.prefill_chunk:

@@ -72,6 +72,74 @@ def _note_inputs(ref):
     return hook
 
 
+def _check_inputs(ref):
+    """Forward pre-hook on the model (the first one): `_check_step`, for forwards of this
+    cache's own (not its repeat passes'), outside `torch.compile`."""
+
+    def hook(module, args, kwargs):
+        cache = None if torch.compiler.is_compiling() else ref()
+        if cache is not None and kwargs.get("cache") is cache and not cache.in_repeat \
+                and not cache._in_chunked_prefill:
+            _check_step(cache, kwargs.get("input_ids", args[0] if args else None), kwargs)
+
+    return hook
+
+
+def _check_step(cache, ids, kwargs: dict) -> None:
+    """Refuse, before the model runs, a forward whose inputs cannot belong to this cache's
+    sequence: token ids that are not integers, a 2-D `attention_mask` that does not cover the
+    tokens seen plus the new ones, a sequence whose mask is all zeros, and (without a mask)
+    positions that do not continue where the cache stopped, which is what `generate` sends when
+    a cache that already holds one prompt is passed again with another. Multi-token steps only
+    for the checks that read values (a decode step would pay a host sync per token)."""
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise ValueError(
+            f"input_ids must hold integer token ids (torch.long), got {ids.dtype}; pass "
+            "tokenizer(...).input_ids, or inputs_embeds for embeddings"
+        )
+    new_t = ids if isinstance(ids, torch.Tensor) else embeds
+    if not isinstance(new_t, torch.Tensor) or new_t.dim() < 2:
+        return
+    new = int(new_t.shape[1])
+    seen = cache.tokens_seen()
+    mask = kwargs.get("attention_mask")
+    pos = kwargs.get("position_ids")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        if mask.shape[-1] != seen + new:
+            raise ValueError(
+                f"attention_mask covers {mask.shape[-1]} tokens, but this forward has {new} new "
+                f"tokens and the SparseKVCache has seen {seen}: the mask must cover past + new = "
+                f"{seen + new} tokens"
+                + (
+                    " (a cache holds one sequence: build a new SparseKVCache for another prompt)"
+                    if seen and mask.shape[-1] <= seen
+                    else ""
+                )
+            )
+        if new > 1 and not bool(mask.any(-1).all()):
+            rows = (~mask.bool().any(-1)).nonzero().flatten().tolist()
+            raise ValueError(
+                f"attention_mask is all zeros for sequence(s) {rows}: such a sequence has no token "
+                "to attend to; give each sequence at least one real token (mask 1)"
+            )
+    if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[-1] != new:
+        raise ValueError(
+            f"position_ids cover {pos.shape[-1]} tokens but this forward has {new} new tokens "
+            "(under generate, positions come from attention_mask: pass a mask covering every "
+            "token, past + new, or none)"
+        )
+    if mask is None and seen and new > 1 and isinstance(pos, torch.Tensor) and pos.dim() == 2:
+        start = int(pos[:, 0].min())
+        if start != seen:
+            raise ValueError(
+                f"this SparseKVCache has already seen {seen} tokens, but the forward's positions "
+                f"start at {start}: a cache holds one sequence and continues it. For another "
+                "prompt build a new SparseKVCache (or copy.deepcopy one made for a shared "
+                "prefix, and pass the prefix plus the new tokens)"
+            )
+
+
 def _after_forward(ref):
     """Forward hook on the model: once a forward through the cache returns, score the entries it
     left pending by a repeat pass (then they are evicted)."""

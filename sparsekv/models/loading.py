@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sparsekv.io import only_a_path
 from sparsekv.models.tiny import TINY_FAMILIES
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -68,6 +69,8 @@ def validate_model_spec(spec: Any, hub: bool = False, name: str = "model") -> No
             raise ValueError(
                 f"{name}={spec!r} is a path without a config.json; it must be {_allowed(hub)}"
             )
+        if only_a_path(spec):
+            raise ValueError(f"{name}={spec!r}: no such folder; it must be {_allowed(hub)}")
 
 
 def load_model(

@@ -68,6 +68,11 @@ class KVzipPolicy(Policy):
         for name, v, low in (("chunk", chunk, 1), ("overlap", overlap, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name}={v!r} must be an int >= {low}")
+        if overlap >= chunk:
+            raise ValueError(
+                f"overlap={overlap} must be less than chunk={chunk}: each repeat forward quotes "
+                "`overlap` tokens of the previous chunk before its own `chunk` tokens"
+            )
         self.encode, self.chunk, self.overlap = encode, chunk, overlap
 
     def repeat_inputs(self, ids: Sequence[int]) -> list[tuple[list[int], int, int]]:

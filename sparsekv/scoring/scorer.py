@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from sparsekv.config import without_later_defaults
+from sparsekv.io import only_a_path
 from sparsekv.models.families import ModelShape, model_shape, text_config
 from sparsekv.scoring.files import (
     CARD_NAME,
@@ -136,6 +137,8 @@ def _check_lora(folder: Path, lora: LoraWeights) -> None:
                         f"{path}: {name} has no {name.replace(mine, other)}; a LoRA needs both "
                         "low-rank factors of every module it adapts"
                     )
+
+
 
 
 class TrainedScorer:
@@ -325,6 +328,11 @@ class TrainedScorer:
         elif root.exists():
             raise ValueError(
                 f"{str(path_or_repo_id)!r} is a file; expected an adapter folder or a Hub repo id"
+            )
+        elif only_a_path(path_or_repo_id):
+            raise FileNotFoundError(
+                f"adapter folder {str(path_or_repo_id)!r} does not exist (and a path is not a "
+                "Hugging Face Hub repo id, which is 'name' or 'namespace/name')"
             )
         else:
             snap = cls._download(

@@ -381,5 +381,10 @@ def compress_text(
         raise ValueError(f"context={context!r} must be a non-empty string")
     if not callable(tokenizer):
         raise TypeError(f"tokenizer={tokenizer!r} must be a Hugging Face tokenizer (text -> ids)")
+    if not isinstance(add_special_tokens, bool):
+        raise TypeError(
+            f"add_special_tokens={add_special_tokens!r} must be True or False, got "
+            f"{type(add_special_tokens).__name__}"
+        )
     ids = tokenizer(context, add_special_tokens=add_special_tokens)["input_ids"]
     return TextContext(compress(model, ids, config, policy), tokenizer)

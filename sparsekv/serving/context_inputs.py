@@ -16,7 +16,7 @@ import torch
 from sparsekv.models.families import text_config
 
 __all__ = [
-    "ONE_SEQUENCE", "as_ids", "check_one_sequence", "check_tokenizer", "tokenizer_record",
+    "LENGTHS", "ONE_SEQUENCE", "as_ids", "check_one_sequence", "check_tokenizer", "tokenizer_record",
     "vocab_size", "warn_positions",
 ]
 
@@ -34,6 +34,15 @@ def as_ids(ids: Any, name: str, device: torch.device, vocab: int | None = None) 
     Token ids are int64 or int32 (never truncated from floats), >= 0 and below `vocab`."""
     if isinstance(ids, str):
         raise TypeError(f"{name} must be token ids, got a string (compress_text takes text)")
+    if isinstance(ids, (set, frozenset, dict)) or (
+        not isinstance(ids, torch.Tensor) and not hasattr(ids, "__array__")
+        and not isinstance(ids, (list, tuple, range))
+    ):
+        raise TypeError(
+            f"{name} must be token ids in order: a list of ints, a 1-D tensor or shape (1, n); "
+            f"got a {type(ids).__name__}"
+            + (" (a set or dict has no order)" if isinstance(ids, (set, frozenset, dict)) else "")
+        )
     if isinstance(ids, torch.Tensor):
         t = ids
     else:
@@ -87,6 +96,17 @@ def check_one_sequence(model, kwargs: dict[str, Any]) -> None:
         if isinstance(v, int) and not isinstance(v, bool) and v > 1:
             where = "" if given else " (from the generation config)"
             raise ValueError(f"{name}={v}{where}: {why}; allowed value: {name}=1")
+    for name in LENGTHS:
+        v = kwargs.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < LENGTHS[name]):
+            raise ValueError(
+                f"{name}={v!r} must be an int >= {LENGTHS[name]} (or left out), got "
+                f"{type(v).__name__}"
+            )
+
+
+LENGTHS = {"max_new_tokens": 1, "min_new_tokens": 0, "max_length": 1, "min_length": 0}
+"""`generate`'s length arguments and their smallest values, checked before anything runs."""
 
 
 def tokenizer_record(tokenizer: Any) -> dict[str, Any]:

@@ -1,0 +1,173 @@
+"""Reliability, the second sweep's findings (issue 36; `python eval/sweep_bad_inputs.py --round
+2`): each case the sweep found silent or unclear, as a test that failed before its fix. A cache
+refuses inputs that cannot belong to its sequence (a mask or positions of another length, an
+all-zero mask, float ids, a second prompt through a used cache) while transformers' prompt-reuse
+recipe still works; configs refuse budgets that evict nothing or keep nothing; the serving and
+adapter APIs name the argument they cannot use."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from sparsekv import EvictionConfig, SparseKVCache, policies
+from sparsekv.cli import main as cli_main
+from sparsekv.configfile import read_yaml_mapping
+from sparsekv.scoring.adapter import ScorerAdapter
+from sparsekv.serving.compressed import CompressedContext, compress, compress_text
+
+CFG = {"budget": 0.5, "sink_tokens": 2, "recent_window": 4, "rerank_every": 4, "evict_slack": 2}
+GEN = {"max_new_tokens": 2, "do_sample": False}
+
+
+def _ids(n: int, start: int = 3) -> torch.Tensor:
+    return torch.arange(start, start + n)[None] % 120 + 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama").eval()
+
+
+def _cache(model, **kw):
+    return SparseKVCache(model, EvictionConfig(**{**CFG, **kw}), "snapkv")
+
+
+# ---- configs ----------------------------------------------------------------------------------
+def test_a_fraction_too_small_to_keep_a_token_is_refused():
+    with pytest.raises(ValueError, match=r"budget=1e-09 .*token count"):
+        EvictionConfig(budget=1e-9)
+    assert EvictionConfig(budget=1e-4).budget == 1e-4
+
+
+def test_static_buffers_that_could_never_evict_are_refused():
+    with pytest.raises(ValueError, match=r"max_length=8 is not above sink_tokens \+ recent_window"):
+        EvictionConfig(budget=16, layout="static", max_length=8)
+    with pytest.raises(ValueError, match=r"budget=200 tokens is more than max_length=100"):
+        EvictionConfig(budget=200, layout="static", max_length=100)
+    # keeping everything in buffers shorter than the window is fine: nothing is meant to go
+    assert EvictionConfig(budget=1.0, layout="static", max_length=24).max_length == 24
+
+
+def test_a_key_written_twice_in_a_config_file_is_refused(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("lr: 0.1\nseed: 1\nlr: 0.002\n")
+    with pytest.raises(ValueError, match=r"duplicate key 'lr' \(first at line 1"):
+        read_yaml_mapping(p)
+    p.write_text("lr: 0.1\nloss: {budget: 0.2}\ntarget: {budget: 0.2}\n")  # same key, two maps
+    assert read_yaml_mapping(p)["lr"] == 0.1
+
+
+# ---- the cache's inputs -----------------------------------------------------------------------
+def test_a_mask_shorter_than_the_ids_is_named(model):
+    with _cache(model) as cache, pytest.raises(ValueError, match="attention_mask|position_ids"):
+        model.generate(input_ids=_ids(20), attention_mask=torch.ones(1, 12, dtype=torch.long),
+                       cache=cache, **GEN)
+    with _cache(model) as cache, pytest.raises(ValueError, match="attention_mask covers 12"):
+        model(input_ids=_ids(20), attention_mask=torch.ones(1, 12, dtype=torch.long), cache=cache)
+
+
+def test_an_all_zero_mask_is_refused(model):
+    with _cache(model) as cache, pytest.raises(ValueError, match=r"all zeros for sequence\(s\) \[1\]"):
+        ids = torch.cat([_ids(10), _ids(10, 40)])
+        mask = torch.ones_like(ids)
+        mask[1] = 0
+        model(input_ids=ids, attention_mask=mask, cache=cache)
+
+
+def test_float_token_ids_are_refused_before_the_embedding(model):
+    with _cache(model) as cache, pytest.raises(ValueError, match="input_ids must hold integer"):
+        model.generate(input_ids=_ids(10).float(), cache=cache, **GEN)
+
+
+def test_a_used_cache_refuses_another_prompt_and_continues_its_own(model):
+    with _cache(model) as cache:
+        first = model.generate(input_ids=_ids(20), cache=cache, **GEN)
+        with pytest.raises(ValueError, match="a cache holds one sequence"):
+            model.generate(input_ids=_ids(20, 50), cache=cache, **GEN)
+    # transformers' prompt reuse: the output so far plus new tokens continues the sequence
+    with _cache(model) as cache:
+        first = model.generate(input_ids=_ids(20), cache=cache, **GEN)
+        more = torch.cat([first, _ids(5, 70)], 1)
+        out = model.generate(input_ids=more, cache=cache, **GEN)
+        assert out.shape[1] == more.shape[1] + 2
+    # and a prefix prefilled once, copied per continuation, equals a fresh run
+    with _cache(model, budget=1.0) as cache:
+        prefix = _ids(16)
+        model(input_ids=prefix, cache=cache)
+        full = torch.cat([prefix, _ids(6, 90)], 1)
+        reused = model.generate(input_ids=full, cache=copy.deepcopy(cache), **GEN)
+    fresh = model.generate(input_ids=full, **GEN)
+    assert torch.equal(reused, fresh)
+
+
+def test_crop_takes_an_int_of_at_most_the_tokens_seen(model):
+    with _cache(model, budget=1.0) as cache:
+        model(input_ids=_ids(10), cache=cache)
+        with pytest.raises(ValueError, match="tokens_to_remove must be an int"):
+            cache.crop("3")
+        with pytest.raises(ValueError, match="more tokens than the cache has seen"):
+            cache.crop(-11)
+        cache.crop(-3)
+        assert cache.tokens_seen() == 7
+
+
+# ---- policies and adapters ----------------------------------------------------------------------
+def test_kvzip_overlap_must_be_below_its_chunk():
+    with pytest.raises(ValueError, match="overlap=8 must be less than chunk=8"):
+        policies.get("kvzip", encode=lambda s: [5] * len(s), chunk=8, overlap=8)
+    assert policies.get("kvzip", encode=lambda s: [5], chunk=8, overlap=7).overlap == 7
+
+
+def test_a_missing_adapter_folder_is_not_sent_to_the_hub(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        policies.get("learned", adapter=str(tmp_path / "no-adapter-here"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ScorerAdapter.from_pretrained("./not/here")
+
+
+def test_attach_and_load_name_a_model_that_is_not_one(model, tmp_path):
+    adapter = ScorerAdapter.for_model(model)
+    with pytest.raises(TypeError, match="model must be a Hugging Face causal LM"):
+        with adapter.attach(None):
+            pass
+    ctx = compress(model, _ids(12), EvictionConfig(**CFG), "snapkv")
+    path = ctx.save(tmp_path / "ctx")
+    for bad in (None, "tiny:llama"):
+        with pytest.raises(TypeError, match="model must be a Hugging Face causal LM"):
+            CompressedContext.load(path, bad)
+
+
+# ---- compressed contexts ------------------------------------------------------------------------
+def test_context_ids_without_an_order_are_refused(model):
+    with pytest.raises(TypeError, match="a set or dict has no order"):
+        compress(model, {5, 6, 7}, EvictionConfig(**CFG), "snapkv")
+
+
+def test_generate_length_arguments_are_checked_first(model):
+    ctx = compress(model, _ids(12), EvictionConfig(**CFG), "snapkv")
+    with pytest.raises(ValueError, match="max_new_tokens='4' must be an int >= 1"):
+        ctx.generate([5, 6], max_new_tokens="4")
+    with pytest.raises(ValueError, match="min_new_tokens=-1"):
+        ctx.generate([5, 6], max_new_tokens=2, min_new_tokens=-1)
+    assert ctx.generate([5, 6], max_new_tokens=2, do_sample=False).shape == (1, 4)
+
+
+def test_add_special_tokens_must_be_a_bool(model):
+    def tok(text, add_special_tokens=True):
+        return {"input_ids": [1] * add_special_tokens + [3 + ord(c) % 100 for c in text]}
+
+    with pytest.raises(TypeError, match="add_special_tokens='no' must be True or False"):
+        compress_text(model, tok, "some text", EvictionConfig(**CFG), add_special_tokens="no")
+
+
+# ---- the command line ---------------------------------------------------------------------------
+def test_model_info_names_a_missing_folder_in_one_line(capsys):
+    assert cli_main(["model-info", "--model", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sparsekv: error: --model='/nonexistent/model': no such folder")
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    assert cli_main(["model-info", "--model", "tiny:qwen3", "--json"]) == 0
