@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import itertools
+import math
 
 from train import checkpoint as ckpt
 from train.config import load_config
@@ -625,13 +625,44 @@ def test_latest_skips_incomplete_folders_and_prune_keeps_the_newest(tmp_path):
     assert [p.name for _, p in ckpt.step_dirs(tmp_path)] == ["step-0004", "step-0006"]
 
 
-def test_warmup_cosine_schedule():
-    from train.run import warmup_cosine
+def _former_schedule(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """The hand-written schedule every shipped head was trained with (before transformers' one
+    replaced it): its learning rates must be the same at every step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    lr = [warmup_cosine(s, warmup=2, total=6, min_ratio=0.1) for s in range(8)]
-    assert lr[:2] == [0.5, 1.0] and lr[2] == 1.0
-    assert lr[6] == pytest.approx(0.1) and lr[7] == pytest.approx(0.1)
-    assert all(a >= b for a, b in itertools.pairwise(lr[2:]))
+
+@pytest.mark.parametrize(
+    "warmup, total, min_ratio",
+    [(2, 6, 0.1), (10, 60, 0.1), (20, 600, 0.1), (100, 1000, 0.05), (0, 8, 0.0), (10, 3, 0.1),
+     (5, 5, 0.2), (1, 2, 0.5)],
+)
+def test_lr_schedule_is_transformers_at_the_shipped_steps(warmup, total, min_ratio):
+    from train.run import lr_schedule
+
+    def run(steps, state=None):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.AdamW([p], lr=0.002)
+        sched = lr_schedule(opt, warmup, total, min_ratio)
+        if state is not None:
+            opt.load_state_dict(state[0])
+            sched.load_state_dict(state[1])
+        seen = []
+        for _ in range(steps):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return seen, (opt.state_dict(), sched.state_dict())
+
+    n = total + 5
+    lrs, _ = run(n)
+    want = [0.002 * _former_schedule(s, warmup, total, min_ratio) for s in range(n)]
+    assert lrs == pytest.approx(want, rel=1e-12, abs=1e-15)
+    head, state = run(n // 2)  # a resumed run continues the same schedule
+    tail, _ = run(n - n // 2, state)
+    assert head + tail == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ LR schedule (linear warm-up, cosine to a floor that holds after `schedule_steps`
 
 from __future__ import annotations
 
-import math
 import sys
 from functools import partial
 from pathlib import Path
@@ -24,23 +23,32 @@ class RunError(ValueError):
     prints it without a traceback and exits with status 2."""
 
 
-def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier of the 0-based `step`: linear warm-up `(step + 1) / warmup` (the first step
-    trains at lr / warmup, step warmup - 1 at the peak), then a cosine from 1 at `warmup` down to
-    `min_ratio` at `total`, held there after it.
+def lr_schedule(optimizer, warmup: int, total: int, min_ratio: float):
+    """The LR schedule of a run: transformers' `get_cosine_with_min_lr_schedule_with_warmup`
+    (linear warm-up, cosine from the peak down to `min_ratio` at `total`), read so that the
+    0-based step `s` trains at
+      (s + 1) / warmup during warm-up (the first step at lr / warmup, step warmup - 1 at the
+      peak), transformers' value at step s from `warmup` to `total`, `min_ratio` after `total`.
+    transformers' own indexing would train step 0 at lr 0 with every warm-up step one behind,
+    and rise again after `total`, where `schedule_steps` needs the floor to hold (a run extended
+    past it); the shipped recipes' learning rates, hence their results, stay as trained.
+    Returns a `torch.optim.lr_scheduler.LambdaLR`."""
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-    Kept instead of transformers' `get_cosine_with_min_lr_schedule_with_warmup`: measured with
-    transformers 5.24 for warmup=3, total=10, min_ratio=0.1, steps 0-12,
-      this:          0.333 0.667 1.0 1.0 0.955 0.831 0.650 0.450 0.269 0.145 0.1 0.1   0.1
-      transformers:  0.0   0.333 0.667 1.0 0.955 0.831 0.650 0.450 0.269 0.145 0.1 0.145 0.269
-    Equal from step `warmup` to `total`; but theirs trains step 0 at lr 0 and every warm-up
-    step one step behind (the shipped recipes warm up for 10, 20 or 100 steps: their learning
-    rates, hence their results, would change), and rises again after `total`, where
-    `schedule_steps` needs the floor to hold (a run extended past it)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    # a cosine of at least one step (a run shorter than its warm-up drops to the floor after it)
+    end = max(total, warmup + 1)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, warmup, end, min_lr_rate=min_ratio
+    ).lr_lambdas[0]
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr  # as it was before transformers' scheduler set its step 0
+    return LambdaLR(optimizer, partial(_at_step, theirs, warmup, end))
+
+
+def _at_step(theirs, warmup: int, end: int, step: int) -> float:
+    return theirs(step + 1 if step < warmup else min(step, end))
 
 
 def prepare_run_dir(cfg: TrainConfig, acc) -> None:

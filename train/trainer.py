@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from train.run import (
     prepare_run_dir,
     read_trainer_state,
     resume_path,
-    warmup_cosine,
+    lr_schedule,
 )
 
 _T0 = time.perf_counter()  # process start, for the wall time printed at the end
@@ -84,10 +83,7 @@ class Trainer:
             self.adapter.head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         total = cfg.schedule_steps or cfg.max_steps
-        fn = partial(
-            warmup_cosine, warmup=cfg.warmup_steps, total=total, min_ratio=cfg.min_lr_ratio
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, fn)
+        self.scheduler = lr_schedule(opt, cfg.warmup_steps, total, cfg.min_lr_ratio)
         layerwise = LayerwiseHead(self.adapter.head, self.objective.layers)
         self.head, self.optimizer = self.acc.prepare(layerwise, opt)
         self.distributed = describe_distributed(self.acc, self.head)
