@@ -12,7 +12,6 @@ def _model_info(args: argparse.Namespace) -> int:
 
     from sparsekv.models.default import load_default_model, resolve_dtype
     from sparsekv.models.families import model_shape
-
     from sparsekv.models.loading import validate_model_spec
 
     dtype = resolve_dtype(args.dtype, "--dtype")

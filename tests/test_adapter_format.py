@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_model
 
 from sparsekv.scoring.adapter import ScorerAdapter
-from sparsekv.scoring.files import AdapterConfig
+from sparsekv.scoring.adapter_config import AdapterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = {  # fingerprints taken from the format-1 folders before the conversion
@@ -376,6 +376,7 @@ def test_module_graph_has_no_import_cycle(anywhere):
         "sparsekv.scoring.adapter",
         "sparsekv.scoring.scorer",
         "sparsekv.scoring.files",
+        "sparsekv.scoring.adapter_config",
         "sparsekv.scoring.lora",
         "sparsekv.scoring.card",
         "sparsekv.cache",

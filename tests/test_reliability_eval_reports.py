@@ -196,8 +196,8 @@ def test_the_card_carries_the_grids_headline_as_model_index_and_round_trips(tmp_
     from sparsekv import ScorerAdapter
     from sparsekv.evaluation.reports import card
     from sparsekv.models.tiny import tiny_model
+    from sparsekv.scoring.adapter_config import AdapterConfig
     from sparsekv.scoring.card import headline_eval_results
-    from sparsekv.scoring.files import AdapterConfig
 
     adapter = ScorerAdapter.for_model(tiny_model("llama"), hidden=8)
     folder = adapter.save_pretrained(tmp_path / "adapter")

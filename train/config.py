@@ -246,7 +246,7 @@ class TrainConfig:
         adapter's own defaults for those uses (see sparsekv.scoring.files)."""
         from sparsekv.policies.learned import check_settings
         from sparsekv.scoring.adapter import POLICY_DEFAULTS, AdapterConfig
-        from sparsekv.scoring.files import check_uses
+        from sparsekv.scoring.adapter_config import check_uses
 
         defaults = {f.name: f.default for f in fields(AdapterConfig) if f.name in POLICY_DEFAULTS}
         aware = {k: v for k, v in self.inference.items() if k != "uses"}

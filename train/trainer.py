@@ -21,18 +21,18 @@ from train.distributed import describe_distributed, make_accelerator, outside_ze
 from train.metrics import MetricsLog
 from train.models import load_model
 from train.objective import LayerwiseHead, build_objective, count_parameters
-from train.targets import NonFiniteTeacher
 from train.run import (
     RunError,
     build_adapter,
     build_data,
     changed_keys,
     check_layers,
+    lr_schedule,
     prepare_run_dir,
     read_trainer_state,
     resume_path,
-    lr_schedule,
 )
+from train.targets import NonFiniteTeacher
 
 _T0 = time.perf_counter()  # process start, for the wall time printed at the end
 

@@ -114,6 +114,34 @@ def _base_function(base: str, module: nn.Module) -> Callable:
     return eager_attention_function(module)
 
 
+def entry_mask(
+    positions: torch.Tensor | None,
+    seen: int,
+    q: int,
+    stored: int,
+    explicit_causal: bool,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Mask for the last `q` queries of `seen` tokens over a layer's `stored` entries (True =
+    attend), or None when none is needed.
+
+    Without padding (`positions` None) every stored entry from earlier steps is visible to every
+    new query and the new entries are causal among themselves, so the mask is shared by all
+    heads: `(1, 1, q, stored)`; None for a single query, or a first chunk when the attention
+    kernel applies causality itself (`explicit_causal=False`, sdpa). With padding it is per head,
+    from the entries' absolute `positions` `(batch, kv_heads, stored)` (-1 = padding):
+    `(batch, kv_heads, q, stored)`."""
+    if positions is None:
+        if q == 1 or (q == stored and not explicit_causal):
+            return None
+        mask = torch.ones(q, stored, dtype=torch.bool, device=device)
+        mask[:, stored - q :] = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+        return mask[None, None]
+    qpos = torch.arange(seen - q, seen, device=device)
+    pos = positions[:, :, None, :]
+    return (pos <= qpos[None, None, :, None]) & (pos >= 0)
+
+
 def expand_heads(mask: torch.Tensor, groups: int) -> torch.Tensor:
     """`(batch, kv_heads, q, k)` -> `(batch, kv_heads * groups, q, k)` (query-head order of GQA)."""
     if groups == 1:

@@ -18,6 +18,7 @@ from transformers.cache_utils import (
 )
 
 import sparsekv.cache.attention as attn
+import sparsekv.cache.selection as selection
 from sparsekv.cache.int8 import dequantize, quantize
 from sparsekv.cache.schedules import layer_capacity
 from sparsekv.cache.shared import SharedState
@@ -269,24 +270,12 @@ class EvictingLayer(DynamicLayer):
         return real
 
     def attention_mask(self, q: int, explicit_causal: bool) -> torch.Tensor | None:
-        """Mask for the last `q` queries over the stored entries (True = attend), or None.
-
-        Without padding every stored entry from earlier steps is visible to every new query and
-        the new entries are causal among themselves, so the mask is shared by all heads:
-        `(1, 1, q, stored)`. With padding it is per head: `(batch, kv_heads, q, stored)`.
-        None means no mask is needed: a single query, or a first chunk when the attention kernel
-        applies causality itself (`explicit_causal=False`, sdpa).
-        """
-        stored = self.stored()
-        if not self.has_padding:
-            if q == 1 or (q == stored and not explicit_causal):
-                return None
-            mask = torch.ones(q, stored, dtype=torch.bool, device=self.device)
-            mask[:, stored - q :] = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-            return mask[None, None]
-        qpos = torch.arange(self.seen - q, self.seen, device=self.device)
-        pos = self.positions[:, :, None, :]
-        return (pos <= qpos[None, None, :, None]) & (pos >= 0)
+        """Mask for the last `q` queries over the stored entries (True = attend), or None
+        (`sparsekv.cache.attention.entry_mask`)."""
+        return attn.entry_mask(
+            self.positions if self.has_padding else None, self.seen, q, self.stored(),
+            explicit_causal, self.device,
+        )
 
     # ---- scoring and eviction ---------------------------------------------------------------
     def capacity(self) -> int:
@@ -458,21 +447,11 @@ class EvictingLayer(DynamicLayer):
         """`(batch, kv_heads, stored)` bool: sinks and the recent window, and in the budgeted
         layers after the first the shared core (`EvictionConfig.shared_core`)."""
         cfg = self.shared.config
-        pos = self.positions
-        first = self.shared.first_valid
-        start = first.to(self.device)[:, None, None] if first is not None else 0
-        sinks = (pos >= 0) & (pos < start + cfg.sink_tokens)
-        recent = pos >= self.seen - cfg.recent_window
-        kept = sinks | recent
-        core = self.shared.core
-        if self.budget_rank == 0 or core is None:
-            return kept
-        if core.shape[1] != pos.shape[1]:  # other KV-head counts: an entry any head holds
-            core = core.any(dim=1, keepdim=True).expand(-1, pos.shape[1], -1)
-        core = core.to(pos.device)
-        inside = (pos >= 0) & (pos < core.shape[-1])
-        member = core.gather(-1, pos.clamp(0, core.shape[-1] - 1)) & inside
-        return kept | member
+        core = None if self.budget_rank == 0 else self.shared.core
+        return selection.protected(
+            self.positions, self.seen, cfg.sink_tokens, cfg.recent_window,
+            self.shared.first_valid, core,
+        )
 
     def _update_core(self, prot: torch.Tensor) -> None:
         """The first budgeted layer marks the core every later layer keeps: its best-scored
@@ -481,14 +460,7 @@ class EvictingLayer(DynamicLayer):
         cfg, shared = self.shared.config, self.shared
         room = layer_capacity(cfg, shared.min_fraction, self.seen) - cfg.sink_tokens - cfg.recent_window
         k = min(math.ceil(cfg.shared_core * self.seen), room, self.stored())
-        b, h, _ = self.positions.shape
-        core = torch.zeros((b, h, self.seen + 1), dtype=torch.bool, device=self.device)
-        if k > 0:  # the last slot takes what is not a core entry (protected, padding)
-            eff = self.scores.masked_fill(prot | (self.positions < 0), float("-inf"))
-            best, idx = eff.topk(k, dim=-1, sorted=False)
-            pos = self.positions.gather(-1, idx).masked_fill(best == float("-inf"), self.seen)
-            core.scatter_(-1, pos, True)
-        shared.core = core[..., : self.seen]
+        shared.core = selection.core_marks(self.scores, self.positions, prot, self.seen, k)
 
     def evict(self, capacity: int) -> None:
         """Keep the `capacity` best entries per head (at least the protected ones)."""
@@ -503,9 +475,7 @@ class EvictingLayer(DynamicLayer):
         k = min(stored, max(capacity, cfg.sink_tokens + cfg.recent_window))
         if k == stored:
             return
-        eff = self.scores.masked_fill(prot, float("inf")).masked_fill(self.positions < 0, float("-inf"))
-        keep = eff.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values  # (batch, heads, k)
-        self._take(keep)
+        self._take(selection.keep_indices(self.scores, self.positions, prot, k))
         self.evicted = True
 
     def _take(self, index) -> None:

@@ -45,16 +45,8 @@ from sparsekv.config import EvictionConfig
 from sparsekv.models.families import text_config
 from sparsekv.policies import get as get_policy
 from sparsekv.policies.learned import LearnedPolicy
-from sparsekv.scoring.files import (
-    ADAPTER_FILES,
-    CARD_NAME,
-    CONFIG_NAME,
-    FORMAT_VERSION,
-    POLICY_DEFAULTS,
-    USES,
-    WEIGHTS_NAME,
-    AdapterConfig,
-)
+from sparsekv.scoring.adapter_config import FORMAT_VERSION, POLICY_DEFAULTS, USES, AdapterConfig
+from sparsekv.scoring.files import ADAPTER_FILES, CARD_NAME, CONFIG_NAME, WEIGHTS_NAME
 from sparsekv.scoring.lora import LoraWeights, apply_lora
 from sparsekv.scoring.scorer import TrainedScorer
 

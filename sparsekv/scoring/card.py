@@ -17,7 +17,7 @@ import math
 import os
 from typing import Any
 
-from sparsekv.scoring.files import AdapterConfig
+from sparsekv.scoring.adapter_config import AdapterConfig
 
 LICENSES = {
     "google/gemma": {

@@ -12,12 +12,12 @@ import tempfile
 from pathlib import Path
 
 from sparsekv.io import fsync_path, pid_alive
+from sparsekv.scoring.adapter_config import LORA_DIR
 from sparsekv.scoring.files import (
     CARD_NAME,
     CONFIG_NAME,
     LEGACY_CONFIG_NAME,
     LEGACY_WEIGHTS_NAME,
-    LORA_DIR,
     WEIGHTS_NAME,
 )
 

@@ -37,16 +37,14 @@ from torch import nn
 from sparsekv.config import without_later_defaults
 from sparsekv.io import only_a_path
 from sparsekv.models.families import ModelShape, model_shape, text_config
+from sparsekv.scoring.adapter_config import LORA_DIR, POLICY_DEFAULTS, AdapterConfig
 from sparsekv.scoring.files import (
     CARD_NAME,
     CONFIG_NAME,
     DIGEST_KEY,
     LEGACY_CONFIG_NAME,
     LEGACY_WEIGHTS_NAME,
-    LORA_DIR,
-    POLICY_DEFAULTS,
     WEIGHTS_NAME,
-    AdapterConfig,
     adapter_files,
     folder_files,
     hash_tensors,
