@@ -178,3 +178,35 @@ def apply_lora(model: nn.Module, lora: LoraWeights) -> Iterator[nn.Module]:
         yield peft_model
     finally:
         unload_lora(peft_model, model, grads, training)
+
+
+def check_lora_folder(folder: Path, lora: LoraWeights) -> None:
+    """Refuse an adapter's LoRA whose weights are not those `save_pretrained` wrote: a header
+    without the tensors' digest or with another one (edited, truncated to fewer tensors), or a
+    low-rank factor without its partner (PEFT would leave the missing one at its random
+    initialization)."""
+    from safetensors import safe_open
+
+    from sparsekv.scoring.files import DIGEST_KEY, tensors_digest
+
+    path = folder / "adapter_model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        recorded = (f.metadata() or {}).get(DIGEST_KEY)
+    if recorded is None:
+        raise ValueError(
+            f"{path} has no {DIGEST_KEY} in its header, which an adapter's LoRA records: its "
+            "weights cannot be checked; save the adapter again with save_pretrained(..., lora=)"
+        )
+    if recorded != tensors_digest(lora.state):
+        raise ValueError(
+            f"{path} is damaged: its tensors do not match the digest recorded in its header"
+        )
+    pairs = (".lora_A.", ".lora_B."), (".lora_embedding_A.", ".lora_embedding_B.")
+    for name in sorted(lora.state):
+        for a, b in pairs:
+            for mine, other in ((a, b), (b, a)):
+                if mine in name and name.replace(mine, other) not in lora.state:
+                    raise ValueError(
+                        f"{path}: {name} has no {name.replace(mine, other)}; a LoRA needs both "
+                        "low-rank factors of every module it adapts"
+                    )

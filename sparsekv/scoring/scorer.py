@@ -2,7 +2,7 @@
 
 This module owns the adapter's files and identity: building a fresh head for a model, saving and
 loading a folder (format: `sparsekv.scoring.files`; model card: `sparsekv.scoring.card`),
-pushing to and pulling from the Hugging Face Hub, its `fingerprint`, checking that a model has
+pushing to and pulling from the Hugging Face Hub (`sparsekv.scoring.hub`), its `fingerprint`, checking that a model has
 the shape the head was trained for, and scoring a layer's attention inputs (`score_layer`, what
 the learned policy calls). It imports neither the cache nor the policies: `ScorerAdapter`
 (`sparsekv.scoring.adapter`) adds the policy and `attach` on top, and the learned policy loads a
@@ -35,27 +35,20 @@ import torch
 from torch import nn
 
 from sparsekv.config import without_later_defaults
-from sparsekv.io import only_a_path
 from sparsekv.models.families import ModelShape, model_shape, text_config
 from sparsekv.scoring.adapter_config import LORA_DIR, POLICY_DEFAULTS, AdapterConfig
 from sparsekv.scoring.files import (
-    CARD_NAME,
-    CONFIG_NAME,
-    DIGEST_KEY,
-    LEGACY_CONFIG_NAME,
-    LEGACY_WEIGHTS_NAME,
-    WEIGHTS_NAME,
     adapter_files,
     folder_files,
     hash_tensors,
     head_for,
     read_config,
     read_weights,
-    tensors_digest,
 )
 from sparsekv.scoring.folder import write_folder
 from sparsekv.scoring.head import GatingHead
-from sparsekv.scoring.lora import LoraWeights, as_lora
+from sparsekv.scoring.hub import locate, push_folder
+from sparsekv.scoring.lora import LoraWeights, as_lora, check_lora_folder
 from sparsekv.teacher.statistics import TargetConfig, default_layers
 
 __all__ = ["TrainedScorer"]
@@ -91,52 +84,6 @@ def _base_model_id(model: nn.Module) -> str | None:
     except (ImportError, OSError):
         pass
     return str(name)
-
-
-def _escapes(subfolder: str) -> bool:
-    """Whether `subfolder` could leave the folder it is inside: absolute (any platform's
-    spelling) or holding a ".." part ("x/../../other")."""
-    from pathlib import PurePosixPath, PureWindowsPath
-
-    parts = subfolder.replace("\\", "/").split("/")
-    return (
-        PurePosixPath(subfolder).is_absolute()
-        or PureWindowsPath(subfolder).is_absolute()
-        or bool(PureWindowsPath(subfolder).drive)
-        or ".." in parts
-    )
-
-
-def _check_lora(folder: Path, lora: LoraWeights) -> None:
-    """Refuse an adapter's LoRA whose weights are not those `save_pretrained` wrote: a header
-    without the tensors' digest or with another one (edited, truncated to fewer tensors), or a
-    low-rank factor without its partner (PEFT would leave the missing one at its random
-    initialization)."""
-    from safetensors import safe_open
-
-    path = folder / "adapter_model.safetensors"
-    with safe_open(str(path), framework="pt") as f:
-        recorded = (f.metadata() or {}).get(DIGEST_KEY)
-    if recorded is None:
-        raise ValueError(
-            f"{path} has no {DIGEST_KEY} in its header, which an adapter's LoRA records: its "
-            "weights cannot be checked; save the adapter again with save_pretrained(..., lora=)"
-        )
-    if recorded != tensors_digest(lora.state):
-        raise ValueError(
-            f"{path} is damaged: its tensors do not match the digest recorded in its header"
-        )
-    pairs = (".lora_A.", ".lora_B."), (".lora_embedding_A.", ".lora_embedding_B.")
-    for name in sorted(lora.state):
-        for a, b in pairs:
-            for mine, other in ((a, b), (b, a)):
-                if mine in name and name.replace(mine, other) not in lora.state:
-                    raise ValueError(
-                        f"{path}: {name} has no {name.replace(mine, other)}; a LoRA needs both "
-                        "low-rank factors of every module it adapts"
-                    )
-
-
 
 
 class TrainedScorer:
@@ -312,37 +259,15 @@ class TrainedScorer:
         local Hub cache). `subfolder`: the adapter's folder
         inside the local folder or the repo. Reads format 2 and format 1. Raises ValueError naming
         the file for a damaged config or weights file (see `sparsekv.scoring.files`)."""
-        if subfolder is not None and (
-            not isinstance(subfolder, str)
-            or subfolder.startswith(("/", ".."))
-            or _escapes(subfolder)
-        ):
-            raise ValueError(
-                f"subfolder={subfolder!r} must be a relative path inside the folder or repo"
-            )
-        root = Path(path_or_repo_id).expanduser()
-        if root.is_dir():
-            folder = root / subfolder if subfolder else root
-        elif root.exists():
-            raise ValueError(
-                f"{str(path_or_repo_id)!r} is a file; expected an adapter folder or a Hub repo id"
-            )
-        elif only_a_path(path_or_repo_id):
-            raise FileNotFoundError(
-                f"adapter folder {str(path_or_repo_id)!r} does not exist (and a path is not a "
-                "Hugging Face Hub repo id, which is 'name' or 'namespace/name')"
-            )
-        else:
-            snap = cls._download(
-                str(path_or_repo_id),
-                revision=revision,
-                cache_dir=cache_dir,
-                local_files_only=local_files_only,
-                subfolder=subfolder,
-                token=token,
-                force_download=force_download,
-            )
-            folder = snap / subfolder if subfolder else snap
+        folder = locate(
+            path_or_repo_id,
+            subfolder=subfolder,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
+            force_download=force_download,
+        )
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder} is not a folder (subfolder={subfolder!r})")
         config_path, weights_path, version = folder_files(folder)
@@ -363,38 +288,8 @@ class TrainedScorer:
                     f"{folder} does not have"
                 )
             lora = LoraWeights.from_folder(folder / config.lora)
-            _check_lora(folder / config.lora, lora)
+            check_lora_folder(folder / config.lora, lora)
         return cls(head, config, lora=lora)
-
-    @staticmethod
-    def _download(repo_id: str, **kwargs: Any) -> Path:
-        from huggingface_hub import constants, snapshot_download
-
-        sub = kwargs.pop("subfolder")
-        prefix = f"{sub.strip('/')}/" if sub else ""
-        names = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, LEGACY_CONFIG_NAME, LEGACY_WEIGHTS_NAME)
-        patterns = [prefix + n for n in names] + [f"{prefix}{LORA_DIR}/*"]
-        try:
-            return Path(
-                snapshot_download(
-                    repo_id,
-                    allow_patterns=patterns,
-                    library_name="sparsekv",
-                    library_version=_version(),
-                    **kwargs,
-                )
-            )
-        except Exception as e:  # HF raises many kinds: invalid id, offline, not found, network
-            offline = (
-                " (HF_HUB_OFFLINE=1: only the local Hub cache is searched)"
-                if constants.HF_HUB_OFFLINE
-                else ""
-            )
-            raise OSError(
-                f"{repo_id!r} is not a local adapter folder, and downloading it from the "
-                "Hugging Face Hub "
-                f"failed{offline}: {type(e).__name__}: {e}"
-            ) from e
 
     def push_to_hub(
         self,
@@ -405,19 +300,10 @@ class TrainedScorer:
         revision: str | None = None,
     ):
         """Create `repo_id` if needed and upload the adapter folder; returns the `CommitInfo`."""
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        with tempfile.TemporaryDirectory(prefix="sparsekv-push-") as tmp:
-            folder = self.save_pretrained(Path(tmp) / "adapter")
-            return api.upload_folder(
-                repo_id=repo_id,
-                folder_path=str(folder),
-                repo_type="model",
-                commit_message=commit_message,
-                revision=revision,
-            )
+        return push_folder(
+            self.save_pretrained, repo_id, private=private, token=token,
+            commit_message=commit_message, revision=revision,
+        )
 
     def model_card(self) -> str:
         """The README.md written beside the weights (`sparsekv.scoring.card.build_card`)."""
