@@ -17,9 +17,8 @@ Writes docs/results/bad-inputs/{cases.json, summary.md}.
 
 Round 2 (issue 36's target: other cases of the same breadth, none repeated from round 1):
     python eval/sweep_bad_inputs.py --round 2
-runs eval/bad_inputs/round2_*.py (surface api so far; files, train, eval cli and kills to
-come; a fourth outcome, "data loss") and writes
-docs/results/bad-inputs/{round2.json, round2.md}.
+runs eval/bad_inputs/round2_*.py (surfaces api, files, train, eval cli and kills; a fourth
+outcome, "data loss") and writes docs/results/bad-inputs/{round2.json, round2.md}.
 """
 
 from __future__ import annotations
@@ -58,9 +57,9 @@ from eval.bad_inputs.framework import (
 
 CASES.sort(key=lambda c: SURFACES.index(c.surface))  # api, adapter files, train config, eval cli
 
-ROUND2_MODULES = ("round2_api",)
-"""Round 2's modules written so far; round2_files, round2_train, round2_eval_cli and
-round2_kills (the other surfaces of SURFACES2) are still to come."""
+ROUND2_MODULES = ("round2_api", "round2_files", "round2_train", "round2_eval_cli",
+                  "round2_kills")
+"""Round 2's modules, one per surface of SURFACES2 (api, files, train, eval cli, kills)."""
 
 
 def round2_cases() -> list[Case]:
@@ -129,9 +128,56 @@ def main_round2(args) -> int:
     from sparsekv.io import write_atomic
 
     write_atomic(out / f"round2{suffix}.json", json.dumps(doc, indent=1) + "\n")
+    write_atomic(out / f"round2{suffix}.md", summarize_round2(results, seconds, machine))
     print(f"{len(results)} cases in {seconds:.0f} s: {counts}")
     shutil.rmtree(TMP, ignore_errors=True)
     return 0
+
+
+def summarize_round2(results: list[Outcome], seconds: float, machine: str) -> str:
+    """round2.md: the counts per surface and every case that is not clear."""
+    lines = [
+        "# Bad-input sweep, round 2 (issue 36's target)",
+        "",
+        (f"`python eval/sweep_bad_inputs.py --round 2` ({len(results)} cases, {seconds:.0f} s; "
+         f"{machine}; tiny random models, one thread). Cases: "
+         + ", ".join(f"`eval/bad_inputs/{m}.py`" for m in ROUND2_MODULES)
+         + ", none repeated from round 1 (`eval/bad_inputs/{api,adapter_files,train_config,"
+         "eval_cli}.py`). Every case and its message: `round2.json`."),
+        "",
+        ("Outcomes: **clear** (ValueError / TypeError / FileNotFoundError / SystemExit or CLI "
+         "exit 2 naming the parameter, flag, key or file, or a case-judged result that is "
+         "right: for a kill, nothing lost and the rerun finished), **unclear** (another "
+         "exception type, a raw traceback out of the CLI, or a message naming none of the "
+         "case's words), **silent** (accepted where it should not be), **data loss** (a "
+         "kill or failed write left files that no longer load, or rows / steps lost or "
+         "repeated)."),
+        "",
+        "| surface | n | clear | unclear | silent | data loss |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    tot = dict.fromkeys(("n", *OUTCOMES), 0)
+    for s in SURFACES2:
+        rs = [r for r in results if r.surface == s]
+        if not rs:
+            continue
+        cnt = {k: sum(r.outcome == k for r in rs) for k in OUTCOMES}
+        lines.append(f"| {s} | {len(rs)} | " + " | ".join(str(cnt[k]) for k in OUTCOMES) + " |")
+        tot["n"] += len(rs)
+        for k, v in cnt.items():
+            tot[k] += v
+    lines.append(f"| **all** | {tot['n']} | " + " | ".join(str(tot[k]) for k in OUTCOMES) + " |")
+    share = tot["clear"] / tot["n"] if tot["n"] else math.nan
+    met = share >= 0.95 and tot["silent"] == 0 and tot["data loss"] == 0
+    lines += ["", (f"Share clear: **{100 * share:.1f}%** (target: >= 95%, no silent case, no "
+                   f"data loss). {'Met.' if met else 'Not met yet.'}"), ""]
+    bad = [r for r in results if r.outcome != "clear"]
+    lines.append("## Cases that are not clear" if bad else "Every case is clear.")
+    for r in bad:
+        msg = r.message.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"- **{r.outcome}** · {r.surface} / {r.group} · `{r.name}` · "
+                     f"{r.error_type or '-'}: {msg[:400]}")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(results: list[Outcome], seconds: float) -> str:
