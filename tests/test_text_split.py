@@ -186,7 +186,7 @@ def _word_grams(template: str, n: int = 4) -> set[tuple[str, ...]]:
 def test_training_needles_share_no_template_with_the_evaluation():
     """No fixed stretch of a training needle or question wording (>= 12 characters) occurs in an
     evaluation wording or the other way round, and the two share no run of four words."""
-    from data.build import TEMPLATES as TRAIN
+    from data.needles import TEMPLATES as TRAIN
     from sparsekv.evaluation.tasks import TEMPLATES as EVAL
 
     assert len(TRAIN) >= 30 and len(EVAL) >= 30
