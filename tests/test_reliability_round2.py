@@ -171,3 +171,46 @@ def test_model_info_names_a_missing_folder_in_one_line(capsys):
     assert err.startswith("sparsekv: error: --model='/nonexistent/model': no such folder")
     assert "Traceback" not in err and len(err.splitlines()) == 1
     assert cli_main(["model-info", "--model", "tiny:qwen3", "--json"]) == 0
+
+
+# ---- saving over an adapter: a kill between files -------------------------------------------
+_KILLED_SAVE = r"""
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from conftest import tiny_model
+from sparsekv.scoring.adapter import ScorerAdapter
+import sparsekv.scoring.folder as folder
+
+new = ScorerAdapter.for_model(tiny_model("llama"), hidden=16)
+real_replace, real_unlink, n = os.replace, Path.unlink, [0]
+def replace(a, b):
+    n[0] += 1
+    if {when!r} == "between" and n[0] == 2:
+        os._exit(9)  # killed between the first file's replacement and the second's
+    return real_replace(a, b)
+def unlink(self, missing_ok=False):
+    if {when!r} == "committed" and ".old-" in self.name:
+        os._exit(9)  # killed after every file was replaced, while the marks go
+    return real_unlink(self, missing_ok=missing_ok)
+folder.os.replace = replace
+Path.unlink = unlink
+new.save_pretrained({out!r})
+"""
+
+
+@pytest.mark.parametrize("when, hidden", [("between", 8), ("committed", 16)])
+def test_a_save_killed_between_files_leaves_the_old_adapter_or_the_new(tmp_path, when, hidden):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "adapter"
+    ScorerAdapter.for_model(tiny_model("llama"), hidden=8).save_pretrained(out)
+    code = _KILLED_SAVE.format(tests=str(Path(__file__).parent), when=when, out=str(out))
+    assert subprocess.run([sys.executable, "-c", code], timeout=300).returncode == 9
+    assert any(".old-" in p.name or ".new-" in p.name for p in out.iterdir())  # the journal
+    assert ScorerAdapter.from_pretrained(out).config.hidden == hidden  # recovered, loads
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    ScorerAdapter.for_model(tiny_model("llama"), hidden=32).save_pretrained(out)
+    assert ScorerAdapter.from_pretrained(out).config.hidden == 32

@@ -1,7 +1,8 @@
 """Writing an adapter folder without ever removing a file it did not write: a new folder as a
 temporary sibling renamed into place; an existing adapter's folder file by file (each staged,
-fsynced, then moved over the old one); a folder holding anything else is refused unless told to
-overwrite. Temporary files of killed saves are removed. What the files hold is
+fsynced, then moved over the old one, journaled so that a kill leaves the old adapter or the new
+one, `recover`ed by the next save or load); a folder holding anything else is refused unless
+told to overwrite. Temporary files of killed saves are removed. What the files hold is
 `sparsekv.scoring.files`'s."""
 
 from __future__ import annotations
@@ -29,13 +30,32 @@ and format 1 names; `save_pretrained` writes the format-2 ones and leaves the ot
 LORA_NAMES = frozenset(("adapter_config.json", "adapter_model.safetensors", CARD_NAME))
 """What the `LORA_DIR` subfolder (a PEFT folder) may hold."""
 _TMP = ".tmp-"
+_JOURNAL = (_TMP, ".old-", ".new-")
+"""A save's own names beside a file NAME: `.NAME.tmp-PID-X` (the new bytes, staged), and while
+an existing folder's files are replaced, `.NAME.old-PID-X` (a hard link to the old file) or
+`.NAME.new-PID-X` (an empty mark: NAME did not exist before); `.commit-PID` says that every file
+was replaced."""
+_COMMIT = ".commit-"
+
+
+def _parse(name: str) -> tuple[str, str, int] | None:
+    """(NAME, kind ".tmp-" / ".old-" / ".new-", pid) of a save's own name, else None."""
+    if not name.startswith("."):
+        return None
+    for kind in _JOURNAL:
+        if kind in name:
+            base, rest = name[1:].rsplit(kind, 1)
+            pid = rest.split("-", 1)[0]
+            return (base, kind, int(pid)) if pid.isdigit() else None
+    return None
 
 
 def _temp_of(name: str, allowed: frozenset[str]) -> bool:
-    """Whether `name` is a save's temporary file (`.NAME.tmp-PID-XXXX`) of a name in `allowed`."""
-    if not name.startswith(".") or _TMP not in name:
-        return False
-    return name[1:].split(_TMP, 1)[0] in allowed
+    """Whether `name` is a save's own file (`_JOURNAL`) of a name in `allowed`, or its mark."""
+    if name.startswith(_COMMIT) and name[len(_COMMIT):].isdigit():
+        return True
+    parsed = _parse(name)
+    return parsed is not None and parsed[0] in allowed
 
 
 def _stale(name: str) -> bool:
@@ -78,14 +98,75 @@ def _stage(dest: Path, data: bytes) -> Path:
     return Path(tmp)
 
 
-def _remove_stale_temps(folder: Path) -> None:
-    """Temporary files and folders that killed saves left in `folder` (and its `LORA_DIR`)."""
-    for where, allowed in ((folder, ADAPTER_NAMES), (folder / LORA_DIR, LORA_NAMES)):
-        if not where.is_dir():
+def recover(folder: Path) -> None:
+    """Undo what a killed save left in an adapter `folder` (and its `LORA_DIR`): staged files
+    removed; and when the save was replacing files (its `.old-` / `.new-` marks are there), the
+    folder as it was before it (each `.NAME.old-` moved back over NAME, each NAME marked `.new-`
+    removed), or, when its `.commit-PID` mark says every file was replaced, as it is after it.
+    Saves still running are left alone. `write_folder` and `from_pretrained` call it."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    wheres = [folder] + ([folder / LORA_DIR] if (folder / LORA_DIR).is_dir() else [])
+    entries = [(w, p.name) for w in wheres for p in w.iterdir()]
+    committed = {
+        int(n[len(_COMMIT):]) for w, n in entries
+        if w == folder and n.startswith(_COMMIT) and n[len(_COMMIT):].isdigit()
+    }
+    for where, name in entries:
+        parsed = _parse(name)
+        if parsed is None or (pid_alive(parsed[2]) and parsed[2] != os.getpid()):
             continue
-        for p in where.iterdir():
-            if _temp_of(p.name, allowed) and _stale(p.name):
-                p.unlink(missing_ok=True)
+        base, kind, pid = parsed
+        if kind == ".old-" and pid not in committed:
+            os.replace(where / name, where / base)  # the old file back
+            # (a rename between two links of one file does nothing: the file was not replaced)
+            (where / name).unlink(missing_ok=True)
+            continue
+        if kind == ".new-" and pid not in committed:
+            (where / base).unlink(missing_ok=True)  # a file the killed save added
+        (where / name).unlink(missing_ok=True)
+    for pid in committed:
+        if not pid_alive(pid) or pid == os.getpid():
+            (folder / f"{_COMMIT}{pid}").unlink(missing_ok=True)
+    for where in wheres:
+        fsync_path(where)
+
+
+def _replace_all(target: Path, staged: list[tuple[Path, Path]]) -> None:
+    """Move each staged file over its destination so that a kill at any point leaves, after
+    `recover`, the old folder or the new one: the old files are first linked aside (or the new
+    names marked), then replaced, then a commit mark written, then the marks removed."""
+    marks = []
+    tag = f"{os.getpid()}-{os.urandom(4).hex()}"
+    for _, dest in staged:
+        if dest.exists():
+            mark = dest.parent / f".{dest.name}.old-{tag}"
+            try:
+                os.link(dest, mark)
+            except OSError:  # a file system without hard links
+                shutil.copy2(dest, mark)
+        else:
+            mark = dest.parent / f".{dest.name}.new-{tag}"
+            mark.touch()
+        marks.append(mark)
+    for where in {dest.parent for _, dest in staged}:
+        fsync_path(where)
+    try:
+        for tmp, dest in staged:
+            os.replace(tmp, dest)
+        for where in {dest.parent for _, dest in staged}:
+            fsync_path(where)
+    except BaseException:  # a full disk, an interrupt: the old files back now
+        recover(target)
+        raise
+    commit = target / f"{_COMMIT}{os.getpid()}"
+    commit.touch()
+    fsync_path(target)
+    for mark in marks:
+        mark.unlink(missing_ok=True)
+    commit.unlink(missing_ok=True)
+    fsync_path(target)
 
 
 def write_folder(
@@ -97,7 +178,8 @@ def write_folder(
     A new folder is filled as a temporary sibling and renamed into place (a reader sees no
     folder or the complete one). Into an existing folder, each file is written to a temporary
     file beside it, fsynced, and moved over the old one with `os.replace`, all of them staged
-    before the first is replaced; nothing else in the folder is touched, so saving never
+    before the first is replaced and journaled (`_replace_all`), so that after a kill `recover`
+    gives the old adapter or the new one, never the files of both; nothing else in the folder is touched, so saving never
     removes a file it did not write (a `lora/` of an earlier save stays, unnamed by the new
     config, when the new adapter has none). An existing folder that holds anything but an
     adapter's files (`foreign_files`: a training run's `step-*/`, `metrics.jsonl`, ...) is
@@ -143,7 +225,7 @@ def write_folder(
             "an adapter's) folder, or pass overwrite=True to write the adapter's files beside "
             "them (they are left as they are)"
         )
-    _remove_stale_temps(target)
+    recover(target)
     staged: list[tuple[Path, Path]] = []
     try:
         for rel, data in files.items():
@@ -152,10 +234,7 @@ def write_folder(
             if dest.is_dir():
                 raise ValueError(f"{dest} is a folder; the adapter writes a file there")
             staged.append((_stage(dest, data), dest))
-        for tmp, dest in staged:
-            os.replace(tmp, dest)
-        for folder in {dest.parent for _, dest in staged}:
-            fsync_path(folder)
+        _replace_all(target, staged)
     finally:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)

@@ -45,7 +45,7 @@ from sparsekv.scoring.files import (
     read_config,
     read_weights,
 )
-from sparsekv.scoring.folder import write_folder
+from sparsekv.scoring.folder import recover, write_folder
 from sparsekv.scoring.head import GatingHead
 from sparsekv.scoring.hub import locate, push_folder
 from sparsekv.scoring.lora import LoraWeights, as_lora, check_lora_folder
@@ -270,6 +270,7 @@ class TrainedScorer:
         )
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder} is not a folder (subfolder={subfolder!r})")
+        recover(folder)  # a save killed while it replaced this folder's files: undone
         config_path, weights_path, version = folder_files(folder)
         config = read_config(config_path, version)
         # the header is checked before any tensor is read; format 2 always records a digest
