@@ -344,7 +344,7 @@ def test_resume_keeps_every_finished_row_and_runs_only_the_missing_ones(run_dir,
     first = {_key(r): r for r in _rows(out)}
     # an interrupted later run left a part file with one unfinished group (its reference row only)
     stray = dict(next(r for r in _rows(run_dir) if r["sample_id"].endswith("-1") and r["policy"] == "full"))
-    stray["prefill_s"] = -1.0
+    stray["prefill_s"] = 9999.5  # a mark no real run has
     (out / "results.part-0.jsonl").write_text(json.dumps(stray) + "\n")
     first[_key(stray)] = stray
     assert main(["eval", *GRID, "--resume", "--out", str(out)]) == 0

@@ -147,7 +147,7 @@ def test_a_repeated_row_is_counted_once(run, capsys):
     assert count_rows(run) == len(lines)
     capsys.readouterr()
     assert main(["eval", "--out", str(run), "--report-only"]) == 0
-    assert "1 rows repeat the slot" in capsys.readouterr().err
+    assert "1 duplicate rows repeat the slot" in capsys.readouterr().err
     with open(run / "summary.csv") as f:
         assert {s["n"] for s in csv.DictReader(f)} == {"1"}
     assert (

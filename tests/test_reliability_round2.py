@@ -214,3 +214,51 @@ def test_a_save_killed_between_files_leaves_the_old_adapter_or_the_new(tmp_path,
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     ScorerAdapter.for_model(tiny_model("llama"), hidden=32).save_pretrained(out)
     assert ScorerAdapter.from_pretrained(out).config.hidden == 32
+
+
+# ---- rows read back from an evaluation folder ------------------------------------------------
+def _row(**kw):
+    return {"sample_id": "passkey-256-0", "task": "passkey", "protocol": "agnostic",
+            "policy": "snapkv", "budget": 0.3, "score": 1.0, "kl": 0.1, **kw}
+
+
+@pytest.mark.parametrize("edit, words", [
+    (dict(score="n/a"), r"row 2 \(passkey-256-0, snapkv\): score='n/a' is not a number"),
+    (dict(policy=None), r"policy=None is not a name"),
+    (dict(kl=-3.0), r"kl=-3.0 is out of range"),
+])
+def test_rows_read_back_name_the_row_and_field(tmp_path, edit, words):
+    import json
+
+    from sparsekv.evaluation.rows.store import read_own
+
+    p = tmp_path / "results.jsonl"
+    p.write_text(json.dumps(_row(sample_id="a")) + "\n" + json.dumps(_row(**edit)) + "\n")
+    with pytest.raises(ValueError, match=words):
+        read_own(p)
+
+
+@pytest.mark.parametrize("field", ["score", "policy"])
+def test_a_row_missing_a_field_is_named(tmp_path, field):
+    import json
+
+    from sparsekv.evaluation.rows.store import read_own
+
+    row = _row()
+    del row[field]
+    p = tmp_path / "results.jsonl"
+    p.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=rf"row 1 .*missing field\(s\) \['{field}'\]"):
+        read_own(p)
+
+
+def test_rows_written_twice_are_read_once_with_a_note(tmp_path, capsys):
+    import json
+
+    from sparsekv.evaluation.rows.store import read_own
+
+    p = tmp_path / "results.jsonl"
+    rows = [_row(sample_id=f"s{i}") for i in range(3)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows + rows))
+    assert len(read_own(p)) == 3
+    assert "3 duplicate rows" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from typing import Any
 from sparsekv.evaluation.config import REFERENCE
 from sparsekv.evaluation.reports.summary import glance_stats, summarize, views
 from sparsekv.evaluation.rows.folder import read_config
-from sparsekv.evaluation.rows.store import RESULTS, read_rows, unique
+from sparsekv.evaluation.rows.store import RESULTS, read_own, read_rows
 from sparsekv.evaluation.tasks import TASKS
 
 DEFAULTS = {"label": "learned", "protocol": "agnostic", "budget": 0.3}
@@ -54,7 +54,7 @@ def headline(
     keep = {label, REFERENCE}
     rows = [
         r
-        for r in unique(read_rows(path), path)
+        for r in read_own(path)
         if r["protocol"] == protocol
         and r["policy"] in keep
         and (r.get("source") or "sparsekv") == "sparsekv"

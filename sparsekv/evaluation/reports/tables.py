@@ -33,7 +33,7 @@ from sparsekv.evaluation.reports.summary import (  # noqa: F401  (summarize, sha
     summarize,
     views,
 )
-from sparsekv.evaluation.rows.store import read_rows, unique
+from sparsekv.evaluation.rows.store import read_own
 from sparsekv.evaluation.tasks import TASKS
 
 
@@ -222,7 +222,7 @@ def write_reports(out: str | Path, readme_series: list[str] | None = None) -> di
     from sparsekv.evaluation.reports.plots import plot, readme_plots
 
     out = Path(out)
-    rows = unique(read_rows(out / "results.jsonl"), out / "results.jsonl")  # a repeated row counts once
+    rows = read_own(out / "results.jsonl")  # checked; a repeated row counts once
     if not rows:
         raise ValueError(f"{out / 'results.jsonl'} holds no rows")
     config = None

@@ -21,7 +21,6 @@ again replace that peer's earlier rows. What a row must hold:
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,17 @@ from sparsekv.evaluation import metrics as M
 from sparsekv.evaluation.rows.folder import read_prompts
 from sparsekv.evaluation.rows.identity import prompt_hash
 from sparsekv.evaluation.rows.store import (
+    KL_SLACK,
+    NON_NEGATIVE,
     RESULTS,
     ROW_FIELDS,
+    UNIT,
+    BadRow,
+    _check_number,
+    _number,
+    check_budget,
     merge_parts,
-    read_rows,
+    read_own,
     supersede,
     unique,
     write_rows_atomic,
@@ -41,64 +47,6 @@ from sparsekv.evaluation.tasks import TASKS, Sample
 
 REQUIRED_PEER_FIELDS = ("sample_id", "task", "length", "protocol", "policy", "budget")
 OWN_SOURCE = "sparsekv"
-NON_NEGATIVE = (
-    "kl",
-    "kl_mean",
-    "nll",
-    "ppl",
-    "kv_bytes_compressed",
-    "kv_bytes_end",
-    "kv_bytes_peak",
-    "peak_rss_mb",
-    "prefill_s",
-    "decode_s",
-    "decode_tok_s",
-    "fork_s",
-    "new_tokens",
-    "prefix_match",
-    "n_tokens",
-)
-UNIT = ("top1", "agreement", "repetition", "depth")
-KL_SLACK = 1e-6  # a peer's KL computed in float32 may come out a hair below 0
-
-
-class BadRow(ValueError):
-    """One field of one row is not what the row format allows."""
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _check_number(
-    row: dict[str, Any], k: str, low: float, high: float | None, allowed: str
-) -> None:
-    v = row.get(k)
-    if v is None:
-        return
-    if not _number(v):
-        raise BadRow(f"{k}={v!r} is not a number; allowed: {allowed} or null")
-    if math.isnan(v) or math.isinf(v):  # written as null, as the harness writes them
-        return
-    if v < low or (high is not None and v > high):
-        raise BadRow(f"{k}={v!r} is out of range; allowed: {allowed} or null")
-
-
-def check_budget(v: Any) -> None:
-    if not _number(v):
-        raise BadRow(
-            f"budget={v!r} is not a number; allowed: a fraction in (0, 1] (a float) or a "
-            "token count (an int >= 1)"
-        )
-    if isinstance(v, float) and not 0.0 < v <= 1.0:
-        raise BadRow(
-            f"budget={v!r} is out of range; allowed: a fraction in (0, 1] (a float) or a "
-            "token count (an int >= 1)"
-        )
-    if isinstance(v, int) and v < 1:
-        raise BadRow(f"budget={v!r} is out of range; allowed: a token count is an int >= 1")
-
-
 def check_row(r: Any, s: Sample | None, prompts_path: Path) -> None:
     """Raise `BadRow` naming the first field of peer row `r` that the row format (module
     docstring) refuses; `s` is the sample of prompts.jsonl with the row's sample_id (None: there
@@ -244,6 +192,6 @@ def ingest(out: str | Path, rows_path: str | Path, source: str | None = None) ->
     cleaned = unique(cleaned, rows_path)
     merge_parts(out)
     results = out / RESULTS
-    old = unique(read_rows(results), results) if results.exists() else []
+    old = read_own(results) if results.exists() else []
     write_rows_atomic(results, supersede(old, cleaned))
     return len(cleaned)

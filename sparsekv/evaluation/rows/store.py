@@ -79,6 +79,102 @@ RESULTS = "results.jsonl"
 PART_GLOB = "results.part-*.jsonl"
 
 
+NON_NEGATIVE = (
+    "kl",
+    "kl_mean",
+    "nll",
+    "ppl",
+    "kv_bytes_compressed",
+    "kv_bytes_end",
+    "kv_bytes_peak",
+    "peak_rss_mb",
+    "prefill_s",
+    "decode_s",
+    "decode_tok_s",
+    "fork_s",
+    "new_tokens",
+    "prefix_match",
+    "n_tokens",
+)
+UNIT = ("top1", "agreement", "repetition", "depth")
+KL_SLACK = 1e-6  # a peer's KL computed in float32 may come out a hair below 0
+
+
+class BadRow(ValueError):
+    """One field of one row is not what the row format allows."""
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_number(
+    row: dict[str, Any], k: str, low: float, high: float | None, allowed: str
+) -> None:
+    v = row.get(k)
+    if v is None:
+        return
+    if not _number(v):
+        raise BadRow(f"{k}={v!r} is not a number; allowed: {allowed} or null")
+    if math.isnan(v) or math.isinf(v):  # written as null, as the harness writes them
+        return
+    if v < low or (high is not None and v > high):
+        raise BadRow(f"{k}={v!r} is out of range; allowed: {allowed} or null")
+
+
+def check_budget(v: Any) -> None:
+    if not _number(v):
+        raise BadRow(
+            f"budget={v!r} is not a number; allowed: a fraction in (0, 1] (a float) or a "
+            "token count (an int >= 1)"
+        )
+    if isinstance(v, float) and not 0.0 < v <= 1.0:
+        raise BadRow(
+            f"budget={v!r} is out of range; allowed: a fraction in (0, 1] (a float) or a "
+            "token count (an int >= 1)"
+        )
+    if isinstance(v, int) and v < 1:
+        raise BadRow(f"budget={v!r} is out of range; allowed: a token count is an int >= 1")
+
+
+SLOT_FIELDS = ("sample_id", "protocol", "policy", "budget")
+"""What every row read from a folder must hold (with `score`): the fields of its slot."""
+
+
+def check_rows(rows: list[dict[str, Any]], path: str | Path) -> list[dict[str, Any]]:
+    """`rows` of `path` (a folder's results.jsonl or part file) after checking each holds its
+    slot's fields and a `score` (a number in [0, 1], or null for a run that failed), and that
+    its numbers are numbers: ValueError naming the file, the row and the field (a row edited by
+    hand, a file from another tool) instead of a KeyError or a report that shows a blank."""
+    for i, r in enumerate(rows, 1):
+        try:
+            missing = [k for k in (*SLOT_FIELDS, "score") if k not in r]
+            if missing:
+                raise BadRow(
+                    f"missing field(s) {missing}; every row holds "
+                    f"{', '.join((*SLOT_FIELDS, 'score'))}"
+                )
+            for k in ("sample_id", "protocol", "policy"):
+                if not isinstance(r[k], str) or not r[k].strip():
+                    raise BadRow(f"{k}={r[k]!r} is not a name; allowed: a non-empty string")
+            check_budget(r["budget"])
+            _check_number(r, "score", 0.0, 1.0, "a number in [0, 1]")
+            for k in NON_NEGATIVE:
+                _check_number(r, k, -KL_SLACK if k.startswith("kl") else 0.0, None, "a number >= 0")
+        except BadRow as e:
+            raise ValueError(
+                f"{path}: row {i} ({r.get('sample_id', '?')}, {r.get('policy', '?')}): {e}; fix "
+                "or remove that row"
+            ) from None
+    return rows
+
+
+def read_own(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a folder's results file, checked (`check_rows`), each slot once (`unique`)."""
+    return unique(check_rows(read_rows(path), path), path)
+
+
+
 def slot(row: dict[str, Any]) -> tuple[str, str, str, str, str]:
     """The slot a row fills: (source, sample_id, protocol, policy label, budget as text)."""
     return (
@@ -153,9 +249,9 @@ def unique(rows: list[dict[str, Any]], where: str | Path | None = None) -> list[
         import sys
 
         print(
-            f"[sparsekv eval] {where or 'rows'}: {len(rows) - len(out)} rows repeat the slot "
-            "(source, sample, protocol, policy, budget) of an earlier row; each slot is read once "
-            "(the last row)",
+            f"[sparsekv eval] {where or 'rows'}: {len(rows) - len(out)} duplicate rows repeat the "
+            "slot (source, sample, protocol, policy, budget) of an earlier row; each slot is "
+            "read once (the last row)",
             file=sys.stderr,
         )
     return out
@@ -165,9 +261,9 @@ def folder_rows(out: Path) -> list[dict[str, Any]]:
     """Every row of `out`, each slot once (`unique`): results.jsonl, then what the part files of
     a stopped run hold."""
     results = Path(out) / RESULTS
-    rows = unique(read_rows(results), results) if results.exists() else []
+    rows = read_own(results) if results.exists() else []
     for p in part_files(out):
-        rows = supersede(rows, read_rows(p))
+        rows = supersede(rows, check_rows(read_rows(p), p))
     return rows
 
 
@@ -188,8 +284,8 @@ def merge_parts(out: str | Path) -> int:
     if not parts:
         return 0
     results = out / RESULTS
-    rows = unique(read_rows(results), results) if results.exists() else []
-    new = [r for p in parts for r in read_rows(p)]
+    rows = read_own(results) if results.exists() else []
+    new = [r for p in parts for r in check_rows(read_rows(p), p)]
     write_rows_atomic(results, supersede(rows, new))
     for p in parts:
         p.unlink()
