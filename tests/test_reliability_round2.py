@@ -262,3 +262,31 @@ def test_rows_written_twice_are_read_once_with_a_note(tmp_path, capsys):
     p.write_text("".join(json.dumps(r) + "\n" for r in rows + rows))
     assert len(read_own(p)) == 3
     assert "3 duplicate rows" in capsys.readouterr().err
+
+
+# ---- training config overrides ------------------------------------------------------------------
+def _train_config(*overrides):
+    from train.config import load_config
+
+    return load_config(None, ["model=tiny:llama", *overrides])
+
+
+def test_an_override_may_reach_a_use_two_levels_down():
+    c = _train_config("inference.uses.agnostic.blend=0.5", "inference.uses.decode.kernel_size=3")
+    assert c.inference_uses()["agnostic"]["blend"] == 0.5
+    assert c.inference_uses()["decode"]["kernel_size"] == 3
+    with pytest.raises(ValueError, match="unknown use 'agnostik'"):
+        _train_config("inference.uses.agnostik.blend=0.5")
+
+
+def test_schedule_and_warmup_that_cannot_work_are_named():
+    with pytest.raises(ValueError, match="schedule_steps=2 must be above warmup_steps=5"):
+        _train_config("schedule_steps=2", "warmup_steps=5")
+    with pytest.warns(UserWarning, match="warmup_steps=50 is more than max_steps=2"):
+        _train_config("max_steps=2", "warmup_steps=50")
+
+
+def test_an_override_without_a_value_is_refused():
+    with pytest.raises(ValueError, match=r"override 'output_dir=' has no value"):
+        _train_config("output_dir=")
+    assert _train_config("output_dir=null").output_dir is None

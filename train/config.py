@@ -16,6 +16,7 @@ import itertools
 import math
 import types
 import typing
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,25 @@ class TrainConfig:
                     "lora: the LoRA co-adaptation reads text; a store:PATH dataset holds token "
                     "blocks only: train the LoRA with lora.adapter=DIR and a text dataset"
                 )
+        if self.schedule_steps is not None and self.schedule_steps <= self.warmup_steps:
+            raise ValueError(
+                f"schedule_steps={self.schedule_steps} must be above warmup_steps="
+                f"{self.warmup_steps}: the schedule warms up for warmup_steps, then its cosine "
+                "reaches the floor at schedule_steps"
+            )
+        if self.warmup_steps > self.max_steps and self.schedule_steps is None:
+            warnings.warn(
+                f"warmup_steps={self.warmup_steps} is more than max_steps={self.max_steps}: the "
+                f"run ends at {self.max_steps / self.warmup_steps:.0%} of its peak learning rate "
+                "(lr) without reaching it; lower warmup_steps to reach it",
+                UserWarning,
+                stacklevel=3,
+            )
+        if self.output_dir is not None and not str(self.output_dir).strip():
+            raise ValueError(
+                f"output_dir={self.output_dir!r} is empty (an unset shell variable?); give a "
+                "folder, or leave it out for checkpoints/<run_name>"
+            )
         if self.push_to_hub is not None and self.push_to_hub.count("/") != 1:
             raise ValueError(f"push_to_hub={self.push_to_hub!r} must be a repo id 'user/name'")
         self._check_nested()
@@ -399,6 +419,11 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like key=value (e.g. max_steps=50)")
+        if not raw.strip():
+            raise ValueError(
+                f"override {item!r} has no value (an unset shell variable?); give one, or "
+                f"{key}=null to leave {key} unset"
+            )
         try:
             parse_value(raw)
         except ValueError as e:
@@ -410,8 +435,18 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
                     f"override {item!r}: only target., loss., build., inference. and lora. take "
                     "sub-keys"
                 )
-            d.setdefault(head, {})
-            d[head] = {**(d[head] or {}), sub: parse_value(raw)}
+            *path, last = sub.split(".")  # inference.uses.agnostic.blend: a key of a key
+            node = d[head] = dict(d.get(head) or {})
+            for i, part in enumerate(path):
+                inner = node.get(part)
+                if inner is not None and not isinstance(inner, dict):
+                    where = ".".join([head, *path[: i + 1]])
+                    raise ValueError(
+                        f"override {item!r}: {where} is {inner!r}, not a mapping of keys"
+                    )
+                node[part] = dict(inner or {})
+                node = node[part]
+            node[last] = parse_value(raw)
         else:
             d[key] = parse_value(raw)
     return d
