@@ -290,3 +290,23 @@ def test_an_override_without_a_value_is_refused():
     with pytest.raises(ValueError, match=r"override 'output_dir=' has no value"):
         _train_config("output_dir=")
     assert _train_config("output_dir=null").output_dir is None
+
+
+# ---- the eval command line ------------------------------------------------------------------
+def test_report_only_refuses_grid_flags_and_finds_the_config_folder(tmp_path, capsys):
+    assert cli_main(["eval", "--report-only", "--budget", "0.5", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--report-only reads the rows already in --out and runs nothing: --budget" in err
+    assert cli_main(["eval", "--ingest", "rows.jsonl", "--seed", "3", "--out", str(tmp_path)]) == 2
+    assert "--ingest reads the rows" in capsys.readouterr().err
+    cfg = tmp_path / "grid.yaml"
+    cfg.write_text(f"out: {tmp_path / 'none-yet'}\n")
+    assert cli_main(["eval", "--report-only", "--config", str(cfg)]) == 2  # its out:, empty
+    assert "none-yet" in capsys.readouterr().err
+
+
+def test_task_options_of_a_task_not_run_are_named():
+    from sparsekv.evaluation.config import EvalConfig
+
+    with pytest.warns(UserWarning, match=r"task_options\['multikey'\] is for a task this grid"):
+        EvalConfig(tasks=["passkey"], task_options={"multikey": {"num_keys": 2}})

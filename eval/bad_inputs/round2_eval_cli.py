@@ -104,7 +104,8 @@ def _finished() -> str:
 
 add2(EV, "paths", "--resume --overwrite together onto a finished run",
      ("--resume", "--overwrite", "resume", "overwrite"),
-     lambda: cli("eval", *GRID, "--resume", "--overwrite", "--out", _finished()), cli=True)
+     lambda: cli("eval", *GRID, "--resume", "--overwrite", "--out", _finished()), cli=True,
+     warn_ok=True)  # a documented pair (--help): saying what it keeps and reruns is the answer
 
 
 def _report_with_grid() -> Verdict:

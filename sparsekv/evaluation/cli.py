@@ -27,6 +27,18 @@ from typing import Any
 BASELINES = ("streaming", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "random")
 
 
+GRID_FLAGS = (
+    ("policies", "--policy"), ("adapter", "--adapter"), ("budgets", "--budget"),
+    ("tasks", "--tasks"), ("lengths", "--lengths"), ("protocols", "--protocol"),
+    ("samples", "--samples"), ("seed", "--seed"), ("model", "--model"), ("dtype", "--dtype"),
+    ("attn_implementation", "--attn"), ("device", "--device"), ("eviction", "--eviction"),
+    ("threads", "--threads"), ("workers", "--workers"), ("resume", "--resume"),
+    ("overwrite", "--overwrite"), ("live_prefill", "--live-prefill"),
+    ("dump_prompts", "--dump-prompts"),
+)
+"""Flags that shape a grid run (argparse dest, flag): --report-only and --ingest run no grid."""
+
+
 def add_eval_parser(sub) -> argparse.ArgumentParser:
     """Register the `eval` subcommand on an argparse subparsers object."""
     p = sub.add_parser(
@@ -77,7 +89,8 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                    help="add result rows produced elsewhere (same row format) to --out and rewrite the reports")
     p.add_argument("--source", help="with --ingest: the name of the rows' producer (e.g. kvpress)")
     p.add_argument("--report-only", action="store_true",
-                   help="rewrite the summary and plots of --out (folding in what a stopped run finished)")
+                   help="rewrite the summary and plots of --out, or of the folder --config names in out: "
+                        "(folding in what a stopped run finished); takes no grid flag")
     p.add_argument("--readme-plots", nargs="+", metavar="SERIES",
                    help="also draw readme_<protocol>_<length>.png for 1-6 methods, named as in the tables "
                         "(e.g. --readme-plots learned snapkv pyramidkv streaming): retrieval share with its "
@@ -187,8 +200,23 @@ def _command(args: argparse.Namespace) -> int:
     if args.source is not None and not args.ingest:
         raise ValueError("--source names the producer of --ingest rows; give --ingest ROWS.jsonl with it")
     if args.ingest or args.report_only:
+        what = "--ingest" if args.ingest else "--report-only"
+        given = [flag for dest, flag in GRID_FLAGS if getattr(args, dest) not in (None, False, [])]
+        if given:
+            raise ValueError(
+                f"{what} reads the rows already in --out and runs nothing: {', '.join(given)} "
+                f"would change a grid it does not run; leave {'it' if len(given) == 1 else 'them'} "
+                f"out (or run the grid without {what})"
+            )
+        if args.out is None and args.config is not None:  # the grid's own folder
+            from sparsekv.configfile import read_yaml_mapping
+
+            args.out = read_yaml_mapping(args.config, "--config").get("out")
         if args.out is None:
-            raise ValueError("--ingest and --report-only need --out (the evaluation folder)")
+            raise ValueError(
+                "--ingest and --report-only need --out (the evaluation folder), or a --config "
+                "whose out: names it"
+            )
         out = check_out_folder(args.out)
         if args.ingest and not (out / "prompts.jsonl").exists():
             raise ValueError(f"{out} holds no prompts.jsonl: run the grid (or --dump-prompts) there first")

@@ -33,6 +33,7 @@ and need not be listed ("full" in the list is accepted and ignored).
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -319,6 +320,13 @@ class EvalConfig:
             raise ValueError(f"task_options={self.task_options!r} must map task names to option mappings")
         for t, opts in self.task_options.items():
             spec = get_task(t)
+            if self.tasks and t not in self.tasks:
+                warnings.warn(
+                    f"task_options[{t!r}] is for a task this grid does not run (tasks: "
+                    f"{', '.join(self.tasks)}); it is not used",
+                    UserWarning,
+                    stacklevel=3,
+                )
             if not isinstance(opts, dict):
                 raise ValueError(f"task_options[{t!r}] must be a mapping, got {opts!r}")
             bad = sorted(set(opts) - set(spec.defaults) - {"max_new_tokens"})

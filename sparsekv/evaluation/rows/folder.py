@@ -104,7 +104,8 @@ class FolderLock:
         if old.get("pid") not in (None, os.getpid()):
             print(
                 f"[sparsekv eval] took over the lock of {self.path.parent} left by pid "
-                f"{old['pid']} ({old.get('command')}), which is no longer running",
+                f"{old['pid']} ({old.get('command')}), which no longer holds it (the run "
+                "ended, or the folder was copied from where it runs)",
                 file=sys.stderr,
             )
         info = {

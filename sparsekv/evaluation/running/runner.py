@@ -299,10 +299,15 @@ def run_eval(
             desc="sparsekv eval",
             dynamic_ncols=True,
         )
-        if rows and progress:
-            bar.write(
-                f"{'resume' if resume else 'overwrite'}: {len(rows)} rows in {out}, "
-                f"{runs_left(cfg, todo)} runs in {len(todo)} groups to do"
+        if rows:  # said with or without the bar: which rows stay and what runs
+            if resume and overwrite:
+                mode = "--resume --overwrite (missing runs, and runs another spec or adapter wrote)"
+            else:
+                mode = "--resume (missing runs only)" if resume else "--overwrite (every run of the grid)"
+            tqdm.write(
+                f"{mode}: {len(rows)} rows in {out}, {runs_left(cfg, todo)} runs in {len(todo)} "
+                "groups to do" + ("; nothing to run" if not todo else ""),
+                file=sys.stderr,
             )
         try:
             with _StopOnSigterm():
