@@ -88,7 +88,8 @@ def test_a_local_folder_loads_the_same_for_both_callers(tmp_path):
             "tiny model family 'gpt2'; allowed: llama, qwen2, qwen3, mistral, gemma3",
         ),
         ("/no/such/folder", {}, "is not 'default' (gemma-3-270m), 'tiny:<family>' (llama"),
-        ("/no/such/folder", {"hub": True}, "could not be loaded"),
+        ("/no/such/folder", {"hub": True}, "model='/no/such/folder': no such folder"),
+        ("nobody-here/no-such-model", {"hub": True}, "could not be loaded"),
         (
             "tiny:llama",
             {"dtype": "float13"},
