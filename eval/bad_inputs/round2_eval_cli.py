@@ -13,30 +13,15 @@ import json
 import shutil
 from pathlib import Path
 
+from eval.bad_inputs.eval_cli import GRID, _grid, cli
 from eval.bad_inputs.framework import _CACHE, TMP, Verdict, _n, add2
 
 EV = "eval cli"
-GRID = ["--model", "tiny:llama", "--policy", "snapkv", "--budget", "0.3", "--tasks", "passkey",
-        "--lengths", "128", "--samples", "1", "--protocol", "agnostic", "--threads", "1",
-        "--no-progress"]
-
-
-def cli(*argv: str) -> int:
-    from sparsekv.cli import main
-    return main(list(argv))
 
 
 def _out() -> str:
     _n[0] += 1
     return str(TMP / f"eval2-{_n[0]}")
-
-
-def _grid(**replace: str) -> list[str]:
-    g = list(GRID)
-    for flag, val in replace.items():
-        flag = "--" + flag.replace("_", "-")
-        g[g.index(flag) + 1] = val
-    return g
 
 
 def flag(name, names, *argv, **replace):

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import sparsekv
+from eval.bad_inputs.eval_cli import GRID, cli
 from eval.bad_inputs.framework import (
     _CACHE,
     TMP,
@@ -245,14 +246,6 @@ add2(FI, TD, "every row's text empty", ("text", "empty", "no tokens", "documents
 # eval run folders (results.jsonl read by --report-only / --resume)
 # ---------------------------------------------------------------------------------------------
 EV = "eval results"
-GRID = ["--model", "tiny:llama", "--policy", "snapkv", "--budget", "0.3", "--tasks", "passkey",
-        "--lengths", "128", "--samples", "1", "--protocol", "agnostic", "--threads", "1",
-        "--no-progress"]
-
-
-def cli(*argv: str) -> int:
-    from sparsekv.cli import main
-    return main(list(argv))
 
 
 def _run_copy() -> Path:

@@ -5,14 +5,13 @@ machine's manuals."""
 from __future__ import annotations
 
 import bz2
-import gzip
 import html
 import importlib.util
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from sparsekv.sources.markup import procedures, wiki_to_text
+from sparsekv.sources.markup import procedures, read_text, wiki_to_text
 
 INFO_DIR = Path("/usr/share/info")
 DOC_DIR = Path("/usr/share/doc")
@@ -102,13 +101,8 @@ def _manual_files() -> list[Path]:
 def _manuals() -> list[tuple[str, str]]:
     out = []
     for path in _manual_files():
-        try:
-            if path.suffix == ".gz":
-                with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
-                    raw = f.read()
-            else:
-                raw = path.read_text(encoding="utf-8", errors="replace")
-        except (OSError, EOFError, ValueError):  # a truncated or binary .gz
+        raw = read_text(path)
+        if raw is None:  # a truncated or binary .gz
             continue
         if "GNU GENERAL PUBLIC LICENSE" in raw or "Permission is hereby granted" in raw:
             continue  # license texts are training material

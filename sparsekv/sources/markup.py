@@ -1,10 +1,13 @@
 """Markup removed from the texts the source families read: roff (man pages, `man_to_text`),
 MediaWiki (`wiki_to_text`) and the numbered procedures found in plain-text manuals
-(`procedures`). Pure text in, text out: no files, no split."""
+(`procedures`); and `read_text`, the one reader of a plain or gzipped text file the families
+read (None for one that cannot be read). No split."""
 
 from __future__ import annotations
 
+import gzip
 import re
+from pathlib import Path
 
 _ROFF_FONT = re.compile(r"\\f(\(..|\[[^\]]*\]|.)")
 _ROFF_ESCAPES = (
@@ -195,3 +198,15 @@ def procedures(text: str, max_item: int = 1500, max_chars: int = 6000) -> list[s
             out.append(block)
         i = max(j, i + 1)
     return out
+
+
+def read_text(path: Path) -> str | None:
+    """The text of a plain or `.gz` file (bytes that are not UTF-8 replaced), or None for a file
+    that cannot be read (a truncated or binary .gz, a permission error)."""
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+                return f.read()
+        return path.read_text(encoding="utf-8", errors="replace")
+    except (OSError, EOFError, ValueError):
+        return None

@@ -5,12 +5,11 @@ license texts, the distributions' long descriptions and the man pages."""
 from __future__ import annotations
 
 import ast
-import gzip
 import re
 import sysconfig
 from pathlib import Path
 
-from sparsekv.sources.markup import man_to_text
+from sparsekv.sources.markup import man_to_text, read_text
 
 LICENSE_DIR = Path("/usr/share/common-licenses")
 
@@ -153,13 +152,8 @@ def _manpages() -> list[tuple[str, str]]:
     for p in order:
         if total >= MAN_MAX_CHARS:
             break
-        try:
-            if p.suffix == ".gz":
-                with gzip.open(p, "rt", encoding="utf-8", errors="replace") as f:
-                    raw = f.read()
-            else:
-                raw = p.read_text(encoding="utf-8", errors="replace")
-        except (OSError, EOFError, ValueError):
+        raw = read_text(p)
+        if raw is None:
             continue
         if raw.lstrip().startswith(".so "):  # a page that only points at another
             continue

@@ -28,15 +28,11 @@ from sparsekv.evaluation import metrics as M
 from sparsekv.evaluation.rows.folder import read_prompts
 from sparsekv.evaluation.rows.identity import prompt_hash
 from sparsekv.evaluation.rows.store import (
-    KL_SLACK,
-    NON_NEGATIVE,
     RESULTS,
     ROW_FIELDS,
-    UNIT,
     BadRow,
-    _check_number,
     _number,
-    check_budget,
+    check_numbers,
     merge_parts,
     read_own,
     supersede,
@@ -89,12 +85,7 @@ def check_row(r: Any, s: Sample | None, prompts_path: Path) -> None:
         )
     if not isinstance(r["policy"], str) or not r["policy"].strip():
         raise BadRow(f"policy={r['policy']!r} is not a label; allowed: a non-empty string")
-    check_budget(r["budget"])
-    _check_number(r, "score", 0.0, 1.0, "a number in [0, 1]")
-    for k in NON_NEGATIVE:
-        _check_number(r, k, -KL_SLACK if k.startswith("kl") else 0.0, None, "a number >= 0")
-    for k in UNIT:
-        _check_number(r, k, 0.0, 1.0, "a number in [0, 1]")
+    check_numbers(r)
     for k in ("output", "error", "policy_spec"):
         if r.get(k) is not None and not isinstance(r[k], str):
             raise BadRow(f"{k}={r[k]!r} is not text; allowed: a string or null")

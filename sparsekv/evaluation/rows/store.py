@@ -137,6 +137,17 @@ def check_budget(v: Any) -> None:
         raise BadRow(f"budget={v!r} is out of range; allowed: a token count is an int >= 1")
 
 
+def check_numbers(r: dict[str, Any]) -> None:
+    """The budget, the score (in [0, 1]), the non-negative numbers (`NON_NEGATIVE`: KL, bytes,
+    timings) and the unit ones (`UNIT`) of row `r` are what a row may hold, else `BadRow`."""
+    check_budget(r["budget"])
+    _check_number(r, "score", 0.0, 1.0, "a number in [0, 1]")
+    for k in NON_NEGATIVE:
+        _check_number(r, k, -KL_SLACK if k.startswith("kl") else 0.0, None, "a number >= 0")
+    for k in UNIT:
+        _check_number(r, k, 0.0, 1.0, "a number in [0, 1]")
+
+
 SLOT_FIELDS = ("sample_id", "protocol", "policy", "budget")
 """What every row read from a folder must hold (with `score`): the fields of its slot."""
 
@@ -157,10 +168,7 @@ def check_rows(rows: list[dict[str, Any]], path: str | Path) -> list[dict[str, A
             for k in ("sample_id", "protocol", "policy"):
                 if not isinstance(r[k], str) or not r[k].strip():
                     raise BadRow(f"{k}={r[k]!r} is not a name; allowed: a non-empty string")
-            check_budget(r["budget"])
-            _check_number(r, "score", 0.0, 1.0, "a number in [0, 1]")
-            for k in NON_NEGATIVE:
-                _check_number(r, k, -KL_SLACK if k.startswith("kl") else 0.0, None, "a number >= 0")
+            check_numbers(r)
         except BadRow as e:
             raise ValueError(
                 f"{path}: row {i} ({r.get('sample_id', '?')}, {r.get('policy', '?')}): {e}; fix "
