@@ -49,10 +49,8 @@ Command line (reads a training config; the text is that config's dataset, built 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,8 +62,6 @@ from torch import nn
 from sparsekv.io import atomic_path, write_atomic
 from sparsekv.teacher.reconstruction import repeat_received
 from sparsekv.teacher.store_format import (
-    HIDDEN_DTYPES,
-    PROBE_DEFAULTS,
     SIGNALS,
     STORE_FILE,
     StoreError,
@@ -260,207 +256,11 @@ def text_blocks(cfg, tokenizer, length: int) -> tuple[torch.Tensor, torch.Tensor
     return ids, mask, text
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _probe_options(text: str | None) -> dict[str, int]:
-    """`--probe count=8,answer=16` -> `{"count": 8, "answer": 16}` (a clear error otherwise)."""
-    out: dict[str, int] = {}
-    for part in [p for p in (text or "").split(",") if p.strip()]:
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or key not in PROBE_DEFAULTS:
-            raise StoreError(
-                f"--probe {part!r}: expected key=value with key one of {', '.join(PROBE_DEFAULTS)}"
-            )
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise StoreError(f"--probe {key}={value!r} must be an integer") from None
-    return out
-
-
-def _cmd_build(args) -> int:
-    from sparsekv.policies.reconstruction import REPEAT_PROMPT
-    from sparsekv.teacher.probes import PROBE_PROMPTS
-    from sparsekv.teacher.statistics import default_layers
-    from train.config import load_config
-    from train.models import load_model
-
-    t_start = time.perf_counter()
-    cfg = load_config(args.config, args.overrides)
-    threads = args.threads if args.threads is not None else cfg.num_threads
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if store_dataset_path(cfg.dataset) is not None:
-        raise StoreError("--config names a store as its dataset: a store is built from text")
-    model, tok, base_id = load_model(cfg.model, cfg.dtype, cfg.attn_implementation, cfg.seed)
-    from sparsekv.models.families import model_shape
-
-    shape = model_shape(model)
-    layers = list(cfg.layers or default_layers(model))
-    signals = args.signals.split(",")
-    prompt = probe_ids = None
-    if any(s in ("reconstruction", "kvzip_plus") for s in signals):
-        prompt = list(tok([REPEAT_PROMPT], add_special_tokens=False)["input_ids"][0])
-    if "probe" in signals:
-        probe_ids = [
-            list(p) for p in tok(list(PROBE_PROMPTS), add_special_tokens=False)["input_ids"]
-        ]
-    settings = target_settings(
-        cfg.target_config(),
-        shape.layer_types,
-        layers,
-        prompt,
-        signals,
-        probe_prompt_ids=probe_ids,
-        probe=_probe_options(args.probe),
-    )
-    ids, mask, text = text_blocks(cfg, tok, args.length)
-    text["sequences"] = int(args.sequences)
-    spec = StoreSpec(
-        model=model_identity(model, base_id),
-        text=text,
-        target=settings,
-        layers=layers,
-        hidden=args.hidden,
-        length=args.length,
-        shard_size=args.shard_size,
-    )
-    print(
-        f"teacher store {args.out}: {args.sequences} of {text['blocks']} sequences of "
-        f"{args.length} tokens from {cfg.dataset}; model {base_id}; hidden states of layers "
-        f"{layers} ({args.hidden}); signals {', '.join(settings['signals'])}; "
-        f"{args.shard_size} sequences per shard",
-        flush=True,
-    )
-    out = build_store(
-        args.out,
-        model,
-        spec,
-        ids,
-        mask,
-        block_size=cfg.teacher_block_size,
-        resume=args.resume,
-        progress=not args.no_progress,
-    )
-    rate = out["new"] / out["seconds"] * 3600 if out["new"] and out["seconds"] > 0 else 0.0
-    total_s = time.perf_counter() - t_start
-    print(
-        f"done: {out['sequences']} sequences in {args.out} ({out['new']} built now in "
-        f"{out['seconds'] / 60:.1f} min, {rate:.0f} sequences/hour; {total_s / 60:.1f} min with "
-        f"loading); size {_human(out['bytes'])} ({out['bytes'] / max(1, out['sequences']) / 2**20:.1f} "
-        "MiB per sequence)",
-        flush=True,
-    )
-    return 0
-
-
-def _cmd_info(args) -> int:
-    store = TeacherStore(args.path)
-    spec = store.spec
-    print(
-        json.dumps(
-            {
-                "path": str(store.path),
-                "fingerprint": store.fingerprint,
-                "sequences_complete": len(store),
-                "sequences_planned": spec.text.get("sequences"),
-                "shards_complete": len(store.complete),
-                "bytes": store.size_bytes(),
-                "size": _human(store.size_bytes()),
-                "model": {k: v for k, v in spec.model.items() if k != "shape"},
-                "length": spec.length,
-                "layers": spec.layers,
-                "hidden": spec.hidden,
-                "target": {k: v for k, v in spec.target.items() if k != "repeat_prompt_ids"},
-                "text": {k: v for k, v in spec.text.items() if k != "build"},
-            },
-            indent=1,
-        )
-    )
-    return 0
-
-
-def _cmd_verify(args) -> int:
-    store = TeacherStore(args.path)
-    n = store.verify()
-    print(f"{store.path}: {n} rows in {len(store.complete)} shards match their checksums")
-    return 0
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m sparsekv.teacher.store", description=__doc__.split("\n\n", 1)[0]
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="build or continue a store from a training config")
-    b.add_argument("--config", required=True, help="training YAML (configs/train/<name>.yaml)")
-    b.add_argument("--out", required=True, help="the store folder (kept out of git)")
-    b.add_argument("--sequences", type=int, required=True, help="sequences to store")
-    b.add_argument("--length", type=int, default=2048, help="tokens per sequence (default 2048)")
-    b.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the store in --out (refused when its settings differ)",
-    )
-    b.add_argument(
-        "--hidden",
-        choices=HIDDEN_DTYPES,
-        default="bfloat16",
-        help="dtype of the stored hidden states (default bfloat16; int8 = half)",
-    )
-    b.add_argument(
-        "--signals",
-        default=",".join(SIGNALS),
-        help=f"statistics to store, comma-separated (default {','.join(SIGNALS)})",
-    )
-    b.add_argument(
-        "--probe",
-        default=None,
-        metavar="key=value,...",
-        help="probe signal settings: count (probes per sequence, default 8), cue and "
-        "answer (tokens, default 8 and 16), seed, sink",
-    )
-    b.add_argument("--shard-size", type=int, default=8, help="sequences per shard (default 8)")
-    b.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads (default: the config's num_threads)",
-    )
-    b.add_argument("--no-progress", action="store_true", help="no progress bar")
-    b.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="training config overrides (e.g. model=tiny:llama)",
-    )
-    i = sub.add_parser("info", help="print a store's settings and size")
-    i.add_argument("path")
-    v = sub.add_parser("verify", help="check every stored row against its checksum")
-    v.add_argument("path")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        if args.command == "build":
-            if args.sequences < 1:
-                raise StoreError(f"--sequences={args.sequences} must be >= 1")
-            return _cmd_build(args)
-        if args.command == "info":
-            return _cmd_info(args)
-        return _cmd_verify(args)
-    except StoreError as e:
-        print(f"sparsekv.teacher.store: error: {e}", file=sys.stderr)
-        return 2
+    """The command line (`sparsekv.teacher.store_cli.main`): build, info, verify."""
+    from sparsekv.teacher.store_cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":
