@@ -1,15 +1,9 @@
 """Running one (sample, protocol) group on one model: the full cache first (the reference), then
 every policy x budget the plan asks for, one result row each.
 
-Shared prefill (the default, `EvalConfig.shared_prefill`): the compressed part of each prompt is
-prefilled once by a full `SparseKVCache` that records the attention statistics the grid's
-policies read, and the reference and every policy x budget start from `fork` of it, which keeps
-exactly what that policy's own prefill would have kept (eviction happens after each layer's
-attention, so the prefill's outputs do not depend on the policy). The prefill forward then
-runs once per prompt instead of once per method. `prefill_s` of such rows is the shared
-forward (which computes the statistics of every policy) plus the method's own fork and question
-forward. Which methods fork is decided by `plan.plan_forks`; `shared_prefill: false` prefills
-every run live, with transformers' `DynamicCache` as the full-cache reference.
+Shared prefill (the default, `EvalConfig.shared_prefill`): each prompt's compressed part is
+prefilled once and every method forks from it (`shared_prefill`); `shared_prefill: false`
+prefills every run live.
 
 How one run goes (batch 1, greedy, no sampling):
 - "answer" and "generate" samples: the prompt is prefilled with `logits_to_keep=1`; under the
@@ -38,7 +32,6 @@ import sys
 import time
 import traceback
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +49,7 @@ from sparsekv.evaluation.running.plan import (
     prefill_chunk,
     uses_lora,
 )
+from sparsekv.evaluation.running.shared_prefill import _SharedPrefill, prefill_shared
 from sparsekv.evaluation.tasks import Sample
 from sparsekv.evaluation.tasks.codec import Codec
 
@@ -193,28 +187,11 @@ class Runner:
             protocol == "agnostic" and bool(sample.question_ids)
         )
 
-    @torch.no_grad()
     def _prefill_shared(
         self, sample: Sample, protocol: str, spec: PolicySpec | None = None
     ) -> _SharedPrefill:
-        """Prefill the compressed part of the prompt once, with the full cache recording what
-        every forkable policy needs; on the model that `spec` runs on (its LoRA applied for the
-        forward, see `applied`), the plain model when `spec` is None."""
-        from sparsekv import EvictionConfig, SparseKVCache
-
-        ids = sample.context_ids if self._split(sample, protocol) else sample.prompt_ids
-        rec = SparseKVCache(
-            self.model,
-            EvictionConfig(budget=1.0),
-            "full",
-            record=self.forks.record,
-            record_window=self.forks.record_window,
-        )
-        with M.PeakRSS() as rss, self.applied(spec):
-            t0 = time.perf_counter()
-            logits = self._forward(ids, rec, 1)
-            seconds = time.perf_counter() - t0
-        return _SharedPrefill(rec, logits, seconds, rss.peak, self.lora_of(spec))
+        """`shared_prefill.prefill_shared` on this runner's model."""
+        return prefill_shared(self, sample, protocol, spec)
 
     @torch.no_grad()
     def _execute(
@@ -438,16 +415,3 @@ class Runner:
                 file=sys.stderr,
             )
         return row
-
-
-@dataclass
-class _SharedPrefill:
-    """One recorded full-cache prefill: the cache, the last logits `(1, vocab)`, its seconds, the
-    process's peak resident memory during it (bytes) and the LoRA it ran with (None: the plain
-    model)."""
-
-    cache: Any
-    logits: torch.Tensor
-    seconds: float
-    peak_rss: int
-    lora: Any = None
