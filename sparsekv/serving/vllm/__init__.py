@@ -9,7 +9,9 @@ compress once with sparsekv, answer many questions in vLLM.
   tokens), for vLLM 0.32.0 only.
 - `api`: `engine_kwargs()`, `ask_many(llm, ctx_path, questions, sampling_params)`,
   `prompts_for(ctx_path, question_ids)`.
-- `prepare`: the compress side (sparsekv's environment): test and benchmark contexts.
+- `compress`: the compress side (sparsekv's environment): `compress_for_vllm(model, ids, config,
+  policy)`, one K for every budgeted layer (a per-layer schedule's largest budget, rounded up to a
+  block); `prepare`: the test and benchmark contexts.
 
 Importing this package imports neither vLLM nor transformers; the names below load on first use.
 """
@@ -20,6 +22,8 @@ from importlib import import_module
 from typing import Any
 
 _LAZY = {
+    "compress_for_vllm": "sparsekv.serving.vllm.compress",
+    "slots_for_vllm": "sparsekv.serving.vllm.compress",
     "ask_many": "sparsekv.serving.vllm.api",
     "engine_kwargs": "sparsekv.serving.vllm.api",
     "prompts_for": "sparsekv.serving.vllm.api",

@@ -95,8 +95,9 @@ class SavedContext:
             # entries than K would attend to K - kept slots it does not have.
             raise ValueError(
                 f"{self.path}: the budgeted layers kept different numbers of entries {uneven} "
-                "(a per-layer schedule); vLLM serves one length per request, so compress for it "
-                "with schedule='uniform' (every budgeted layer keeps the same K)"
+                "(a per-layer schedule); vLLM serves one length per request: compress it with "
+                "sparsekv.serving.vllm.compress_for_vllm (every budgeted layer keeps the largest "
+                "layer's K, its own top K) or with schedule='uniform'"
             )
         self.position_offset = self.num_tokens - self.num_slots
         self.placeholder_ids = self._placeholders()
