@@ -5,13 +5,7 @@ Shared prefill (the default, `EvalConfig.shared_prefill`): each prompt's compres
 prefilled once and every method forks from it (`shared_prefill`); `shared_prefill: false`
 prefills every run live.
 
-How one run goes (batch 1, greedy, no sampling):
-- "answer" and "generate" samples: the prompt is prefilled with `logits_to_keep=1`; under the
-  agnostic protocol the context alone first (the cache compresses it), then the question through
-  the compressed cache; under the aware protocol context + question in one forward. Then
-  greedy decoding token by token up to `max_new_tokens` or an end-of-sequence token.
-- "continuation" samples: the context is prefilled (compressed), then the held-out continuation
-  is teacher-forced through the cache and scored position by position.
+How one run goes (batch 1, greedy, no sampling): `one_run`.
 
 The metrics of a row (score, KL, ...) are taken by `outcome.fill_row`; the row format is
 described in `rows.py` (learned policies' rows carry `adapter_hash`).
@@ -29,17 +23,16 @@ Its rows' `policy_spec` ends in `@lora=true`; `adapter_hash` covers the LoRA ten
 from __future__ import annotations
 
 import sys
-import time
 import traceback
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from sparsekv.evaluation import metrics as M
 from sparsekv.evaluation.config import REFERENCE, EvalConfig, PolicySpec, lora_spec_text
 from sparsekv.evaluation.rows.identity import row_identity
 from sparsekv.evaluation.rows.store import ROW_FIELDS
+from sparsekv.evaluation.running.one_run import execute_run
 from sparsekv.evaluation.running.outcome import Reference, fill_row
 from sparsekv.evaluation.running.plan import (
     REFERENCE_KEY,
@@ -193,65 +186,11 @@ class Runner:
         """`shared_prefill.prefill_shared` on this runner's model."""
         return prefill_shared(self, sample, protocol, spec)
 
-    @torch.no_grad()
     def _execute(
         self, sample: Sample, protocol: str, start, chunk: int | None, shared: _SharedPrefill | None
     ) -> dict[str, Any]:
-        """One run. `start()` returns a cache holding the compressed prefix: a fresh cache that
-        this function prefills (shared is None) or a fork of the shared prefill. Returns raw
-        outputs (token ids, step logits) and measurements."""
-        ctx, q = sample.context_ids, sample.question_ids
-        split = self._split(sample, protocol)
-        res: dict[str, Any] = {"prefill_shared": shared is not None}
-        with M.PeakRSS() as rss:
-            t0 = time.perf_counter()
-            cache = start()
-            if shared is None:
-                logits = self._forward(ctx if split else ctx + q, cache, 1)
-            else:
-                logits = shared.logits
-                res["fork_s"] = time.perf_counter() - t0
-            res["kv_bytes_compressed"] = M.kv_bytes(cache)
-            if split and q:
-                logits = self._forward(q, cache, 1)
-            res["prefill_s"] = (
-                time.perf_counter() - t0 + (shared.seconds if shared is not None else 0.0)
-            )
-            chunked = chunk is not None and len(ctx) + len(q) > chunk
-            res["first_compressed"] = 0 if (split or chunked) else 1
-            t1 = time.perf_counter()
-            if sample.kind == "continuation":
-                tgt = sample.target_ids[:-1]
-                step = chunk or len(tgt)
-                parts = [
-                    self._forward(tgt[i : i + step], cache, 0) for i in range(0, len(tgt), step)
-                ]
-                res["step_logits"] = torch.cat(parts, 0)  # (K-1, vocab) predicting target[1:]
-                res["output_ids"] = []
-            else:
-                steps = [logits[-1]]
-                out = [int(logits[-1].argmax())]
-                one_line = sample.kind == "answer"
-                while len(out) < sample.max_new_tokens and out[-1] not in self.codec.eos_ids:
-                    if one_line and M.answer_complete(self.codec.decode(out)):
-                        break  # only the first line is scored
-                    logits = self._forward([out[-1]], cache, 1)
-                    steps.append(logits[-1])
-                    out.append(int(logits[-1].argmax()))
-                res["step_logits"] = torch.stack(steps)
-                res["output_ids"] = out
-            res["decode_s"] = time.perf_counter() - t1
-            res["kv_bytes_end"] = M.kv_bytes(cache)
-            if shared is None:  # a fork never held the whole prefix itself
-                peak = cache.peak_kv_bytes() if hasattr(cache, "peak_kv_bytes") else 0
-                res["kv_bytes_peak"] = int(
-                    max(peak, res["kv_bytes_compressed"], res["kv_bytes_end"])
-                )
-            if hasattr(cache, "close"):
-                cache.close()
-        peak = max(rss.peak, shared.peak_rss if shared is not None else 0)
-        res["peak_rss_mb"] = peak / 2**20
-        return res
+        """One run (`one_run.execute_run` on this runner's model)."""
+        return execute_run(self, sample, protocol, start, chunk, shared)
 
     def _row(
         self,
