@@ -26,8 +26,6 @@ the trainer packs the text into token blocks. Output is written atomically (temp
 from __future__ import annotations
 
 import argparse
-import ast
-import itertools
 import json
 import os
 import random
@@ -37,6 +35,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from sparsekv import sources
+from sparsekv.configfile import field_docs
 
 if __package__ in (None, ""):  # run as `python data/build.py`: the repository root holds `data`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -176,25 +175,10 @@ def build_file(out: str | os.PathLike, cfg: BuildConfig | None = None) -> Path:
     return write_jsonl(build(cfg or BuildConfig()), out)
 
 
-def _field_docs(cls) -> dict[str, str]:
-    """The docstring written under each dataclass field (used as CLI help)."""
-    import inspect
-
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    return {
-        a.target.id: " ".join(b.value.value.split())
-        for a, b in itertools.pairwise(body)
-        if isinstance(a, ast.AnnAssign)
-        and isinstance(b, ast.Expr)
-        and isinstance(b.value, ast.Constant)
-        and isinstance(b.value.value, str)
-    }
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="output JSONL path")
-    docs, defaults = _field_docs(BuildConfig), asdict(BuildConfig())
+    docs, defaults = field_docs(BuildConfig), asdict(BuildConfig())
     for f in fields(BuildConfig):
         is_list = isinstance(defaults[f.name], list)
         shown = ",".join(defaults[f.name]) if is_list else defaults[f.name]

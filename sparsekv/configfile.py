@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["from_fields", "read_yaml_mapping", "yaml_problem"]
+__all__ = ["field_docs", "from_fields", "read_yaml_mapping", "yaml_problem"]
 
 T = TypeVar("T")
 
@@ -81,3 +81,21 @@ def from_fields(cls: type[T], d: dict[str, Any]) -> T:
     if unknown:
         raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; allowed: {', '.join(sorted(known))}")
     return cls(**d)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of dataclass `cls`, by field name (command-line
+    help and config documentation)."""
+    import ast
+    import inspect
+    import itertools
+
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {
+        a.target.id: " ".join(b.value.value.split())
+        for a, b in itertools.pairwise(body)
+        if isinstance(a, ast.AnnAssign)
+        and isinstance(b, ast.Expr)
+        and isinstance(b.value, ast.Constant)
+        and isinstance(b.value.value, str)
+    }

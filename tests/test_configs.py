@@ -12,7 +12,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from train.config import TrainConfig, field_docs, load_config
+from sparsekv.configfile import field_docs
+from train.config import TrainConfig, load_config
 
 TRAIN = sorted((ROOT / "configs" / "train").glob("*.yaml"))
 ACCEL = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))

@@ -9,10 +9,7 @@ nested under `target:` and `loss:` and validated by those classes.
 
 from __future__ import annotations
 
-import ast
 import difflib
-import inspect
-import itertools
 import math
 import types
 import typing
@@ -23,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from sparsekv.configfile import read_yaml_mapping, yaml_problem
+from sparsekv.configfile import read_yaml_mapping
+from train.overrides import apply_overrides
 
 LOG_WITH = ("auto", "tensorboard", "none")
 PACKING = ("pack", "pad", "fill")
@@ -379,77 +377,6 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     if tp is float and not math.isfinite(value):
         raise ValueError(f"{name}={value!r} must be a finite number")
     return float(value) if tp is float else value
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each dataclass field, by field name."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    docs = {}
-    for a, b in itertools.pairwise(body):
-        if (
-            isinstance(a, ast.AnnAssign)
-            and isinstance(b, ast.Expr)
-            and isinstance(b.value, ast.Constant)
-            and isinstance(b.value.value, str)
-        ):
-            docs[a.target.id] = " ".join(b.value.value.split())
-    return docs
-
-
-# ---------------------------------------------------------------------- YAML + overrides
-
-
-def parse_value(text: str) -> Any:
-    """An override's value as YAML (`4` -> 4, `[5, 11]` -> list, `null` -> None).
-
-    "none" stays a string (log_with=none); fields that may be None read it as None.
-    """
-    if text.strip() in ("", "~", "null", "Null", "NULL"):
-        return None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ValueError(f"value {text!r} is not valid YAML ({yaml_problem(e)})") from None
-
-
-def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `key=value` (or nested `loss.kl_weight=0.5`) overrides to a config dict."""
-    d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {item!r} must look like key=value (e.g. max_steps=50)")
-        if not raw.strip():
-            raise ValueError(
-                f"override {item!r} has no value (an unset shell variable?); give one, or "
-                f"{key}=null to leave {key} unset"
-            )
-        try:
-            parse_value(raw)
-        except ValueError as e:
-            raise ValueError(f"override {item!r}: {e}") from None
-        head, dot, sub = key.partition(".")
-        if dot:
-            if head not in ("target", "loss", "build", "inference", "lora"):
-                raise ValueError(
-                    f"override {item!r}: only target., loss., build., inference. and lora. take "
-                    "sub-keys"
-                )
-            *path, last = sub.split(".")  # inference.uses.agnostic.blend: a key of a key
-            node = d[head] = dict(d.get(head) or {})
-            for i, part in enumerate(path):
-                inner = node.get(part)
-                if inner is not None and not isinstance(inner, dict):
-                    where = ".".join([head, *path[: i + 1]])
-                    raise ValueError(
-                        f"override {item!r}: {where} is {inner!r}, not a mapping of keys"
-                    )
-                node[part] = dict(inner or {})
-                node = node[part]
-            node[last] = parse_value(raw)
-        else:
-            d[key] = parse_value(raw)
-    return d
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

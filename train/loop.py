@@ -16,7 +16,8 @@ import argparse
 import sys
 from typing import Any
 
-from train.config import TrainConfig, field_docs, load_config
+from sparsekv.configfile import field_docs
+from train.config import TrainConfig, load_config
 from train.run import RunError
 from train.trainer import Trainer
 
