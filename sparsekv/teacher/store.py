@@ -49,29 +49,14 @@ Command line (reads a training config; the text is that config's dataset, built 
 
 from __future__ import annotations
 
-import json
-import math
-import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
-
-from sparsekv.io import atomic_path, write_atomic
+from sparsekv.teacher import store_cli
 from sparsekv.teacher.reconstruction import repeat_received
+from sparsekv.teacher.store_build import build_store, text_blocks
 from sparsekv.teacher.store_format import (
     SIGNALS,
-    STORE_FILE,
     StoreError,
     StoreSpec,
-    _flatten,
-    _row_digests,
-    _show,
-    blocks_digest,
     decode_hidden,
-    differences,
     encode_hidden,
     example_key,
     model_identity,
@@ -109,158 +94,9 @@ __all__ = [
 # ---------------------------------------------------------------------- building
 
 
-def _write_shard(
-    path: Path, rows: list[dict[str, torch.Tensor]], spec: StoreSpec, first: int
-) -> None:
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for name in rows[0]:
-        stacked = torch.stack([r[name] for r in rows])
-        if name.startswith("hidden."):
-            tensors.update(encode_hidden(name, stacked, spec.hidden))
-        else:
-            tensors[name] = stacked
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    digests = _row_digests(tensors, len(rows))
-    meta = {
-        "fingerprint": spec.fingerprint,
-        "first_row": str(first),
-        "rows_sha256": json.dumps(digests),
-        "sha256": sha256_of(*(d.encode() for d in digests)),
-    }
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
-
-
-def _remove_leftovers(path: Path) -> int:
-    """Temporary files of shard writes cut short by a kill (atomic_path's `.shard-*.tmp`)."""
-    n = 0
-    for p in path.glob(".shard-*.tmp"):
-        p.unlink(missing_ok=True)
-        n += 1
-    return n
-
-
-def build_store(
-    path: str | Path,
-    model: nn.Module,
-    spec: StoreSpec,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    block_size: int = 512,
-    resume: bool = False,
-    progress: bool = True,
-    compute: Callable[..., dict[str, torch.Tensor]] = compute_row,
-) -> dict[str, Any]:
-    """Build (or with `resume`, complete) the store at `path` for the first
-    `spec.text["sequences"]` rows of `input_ids`, `attention_mask` `(blocks, length)`.
-
-    A folder that already holds a store is refused unless `resume`; with `resume`, a store of
-    other settings is refused by name (`StoreError`), complete shards are kept, and every other
-    shard (missing, torn, short, of another fingerprint) is computed again. Returns a summary:
-    sequences, new ones, seconds, bytes."""
-    from tqdm.auto import tqdm
-
-    path = Path(path)
-    total = int(spec.text["sequences"])
-    if input_ids.shape[0] < total:
-        raise StoreError(
-            f"the text yields {input_ids.shape[0]} sequences of {spec.length} tokens, not "
-            f"{total}: ask for fewer, or build more text (the config's build section)"
-        )
-    if input_ids.shape[1] != spec.length:
-        raise ValueError(
-            f"token blocks of {input_ids.shape[1]} tokens; the spec says {spec.length}"
-        )
-    meta_file = path / STORE_FILE
-    if meta_file.is_file():
-        if not resume:
-            raise StoreError(f"{path} already holds a teacher store; pass --resume to continue it")
-        old = TeacherStore(path, warn=lambda msg: None)
-        settings = spec.to_dict()
-        stored = old.spec.to_dict()
-        # the number of sequences may grow: everything else must match
-        settings["text"] = {k: v for k, v in settings["text"].items() if k != "sequences"}
-        stored["text"] = {k: v for k, v in stored["text"].items() if k != "sequences"}
-        names = differences(stored, settings)
-        if names:
-            flat_s, flat_w = _flatten(stored), _flatten(settings)
-            raise StoreError(
-                f"{path} holds a teacher store built with other settings; differs in "
-                + "; ".join(
-                    f"{n}: the store has {_show(flat_s.get(n))}, this build {_show(flat_w[n])}"
-                    for n in names
-                )
-            )
-    path.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(path)
-    payload = {**spec.to_dict(), "fingerprint": spec.fingerprint}
-    write_atomic(meta_file, json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    store = TeacherStore(path, warn=lambda msg: None)
-    shards = math.ceil(total / spec.shard_size)
-    done = {s for s in store.complete if len(store._meta[s]["rows"]) == store.expected_rows(s)}
-    have = sum(store.expected_rows(s) for s in done)
-    t0 = time.perf_counter()
-    new = 0
-    bar = tqdm(
-        total=total,
-        initial=have,
-        unit="seq",
-        desc=f"teacher store {path.name}",
-        dynamic_ncols=True,
-        disable=not progress,
-        smoothing=0.05,
-    )
-    layers = spec.layers
-    for s in range(shards):
-        if s in done:
-            continue
-        first = s * spec.shard_size
-        rows = []
-        for r in range(first, first + store.expected_rows(s)):
-            rows.append(
-                compute(model, input_ids[r], attention_mask[r], spec.target, layers, block_size)
-            )
-            bar.update(1)
-            new += 1
-        _write_shard(store.shard_path(s), rows, spec, first)
-    bar.close()
-    seconds = time.perf_counter() - t0
-    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-    return {"sequences": total, "new": new, "seconds": seconds, "bytes": size, "path": str(path)}
-
-
-# ---------------------------------------------------------------------- the command line
-
-
-def text_blocks(cfg, tokenizer, length: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """A training config's token blocks of `length` tokens (its dataset, built if missing, cut
-    with its packing) and the text settings they come from."""
-    from train.data import config_texts, tokenize_blocks
-
-    texts = config_texts(cfg)
-    ids, mask = tokenize_blocks(tokenizer, texts, length, cfg.packing)
-    text = {
-        "dataset": cfg.dataset,
-        "build": cfg.build,
-        "text_field": cfg.text_field,
-        "dataset_split": cfg.dataset_split,
-        "dataset_config": cfg.dataset_config,
-        "max_documents": cfg.max_documents,
-        "packing": cfg.packing,
-        "blocks": int(ids.shape[0]),
-        "digest": blocks_digest(ids, mask),
-    }
-    return ids, mask, text
-
-
 def main(argv: list[str] | None = None) -> int:
     """The command line (`sparsekv.teacher.store_cli.main`): build, info, verify."""
-    from sparsekv.teacher.store_cli import main as cli_main
-
-    return cli_main(argv)
+    return store_cli.main(argv, description=__doc__.split("\n\n", 1)[0])
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ import time
 
 import torch
 
-from sparsekv.teacher import store as teacher_store
-from sparsekv.teacher.store import build_store, text_blocks
+from sparsekv.teacher.store_build import build_store, text_blocks
 from sparsekv.teacher.store_format import (
     HIDDEN_DTYPES,
     PROBE_DEFAULTS,
@@ -161,11 +160,8 @@ def _cmd_verify(args) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m sparsekv.teacher.store",
-        description=teacher_store.__doc__.split("\n\n", 1)[0],
-    )
+def _parser(description: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sparsekv.teacher.store", description=description)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build or continue a store from a training config")
     b.add_argument("--config", required=True, help="training YAML (configs/train/<name>.yaml)")
@@ -216,8 +212,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, description: str | None = None) -> int:
+    """`python -m sparsekv.teacher.store`'s commands; `description`: its help's first line."""
+    args = _parser(description).parse_args(argv)
     try:
         if args.command == "build":
             if args.sequences < 1:
