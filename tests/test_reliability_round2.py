@@ -310,3 +310,18 @@ def test_task_options_of_a_task_not_run_are_named():
 
     with pytest.warns(UserWarning, match=r"task_options\['multikey'\] is for a task this grid"):
         EvalConfig(tasks=["passkey"], task_options={"multikey": {"num_keys": 2}})
+
+
+def test_recovering_an_adapter_folder_leaves_other_files_alone(tmp_path):
+    """`recover` (run by every save and load) touches only an adapter's own journal names: a
+    file of someone else's that happens to look like one stays, as saving over the folder
+    with overwrite=True promises."""
+    out = tmp_path / "adapter"
+    ScorerAdapter.for_model(tiny_model("llama"), hidden=8).save_pretrained(out)
+    theirs = [out / ".notes.txt.old-4194303-abcd", out / ".run.log.tmp-4194303-abcd",
+              out / "notes.txt"]  # (a pid no process has)
+    for p in theirs:
+        p.write_text("mine")
+    ScorerAdapter.for_model(tiny_model("llama"), hidden=16).save_pretrained(out, overwrite=True)
+    assert ScorerAdapter.from_pretrained(out).config.hidden == 16
+    assert all(p.read_text() == "mine" for p in theirs)

@@ -98,24 +98,36 @@ def _stage(dest: Path, data: bytes) -> Path:
     return Path(tmp)
 
 
-def recover(folder: Path) -> None:
+def recover(folder: Path, rollback: bool = False) -> None:
     """Undo what a killed save left in an adapter `folder` (and its `LORA_DIR`): staged files
     removed; and when the save was replacing files (its `.old-` / `.new-` marks are there), the
     folder as it was before it (each `.NAME.old-` moved back over NAME, each NAME marked `.new-`
     removed), or, when its `.commit-PID` mark says every file was replaced, as it is after it.
-    Saves still running are left alone. `write_folder` and `from_pretrained` call it."""
+    Only an adapter's own names are touched (`_temp_of`), and only those of saves whose process
+    is gone; `rollback`: also this process's (a save that failed here). `write_folder` and
+    `from_pretrained` call it."""
     folder = Path(folder)
     if not folder.is_dir():
         return
-    wheres = [folder] + ([folder / LORA_DIR] if (folder / LORA_DIR).is_dir() else [])
-    entries = [(w, p.name) for w in wheres for p in w.iterdir()]
-    committed = {
-        int(n[len(_COMMIT):]) for w, n in entries
-        if w == folder and n.startswith(_COMMIT) and n[len(_COMMIT):].isdigit()
+
+    def gone(pid: int) -> bool:
+        return (rollback and pid == os.getpid()) or (pid != os.getpid() and not pid_alive(pid))
+
+    wheres = [(folder, ADAPTER_NAMES)]
+    if (folder / LORA_DIR).is_dir():
+        wheres.append((folder / LORA_DIR, LORA_NAMES))
+    entries = [
+        (w, p.name) for w, allowed in wheres for p in w.iterdir() if _temp_of(p.name, allowed)
+    ]
+    if not entries:
+        return
+    commits = {
+        n: int(n[len(_COMMIT):]) for w, n in entries if w == folder and n.startswith(_COMMIT)
     }
+    committed = set(commits.values())
     for where, name in entries:
         parsed = _parse(name)
-        if parsed is None or (pid_alive(parsed[2]) and parsed[2] != os.getpid()):
+        if parsed is None or not gone(parsed[2]):
             continue
         base, kind, pid = parsed
         if kind == ".old-" and pid not in committed:
@@ -126,10 +138,10 @@ def recover(folder: Path) -> None:
         if kind == ".new-" and pid not in committed:
             (where / base).unlink(missing_ok=True)  # a file the killed save added
         (where / name).unlink(missing_ok=True)
-    for pid in committed:
-        if not pid_alive(pid) or pid == os.getpid():
-            (folder / f"{_COMMIT}{pid}").unlink(missing_ok=True)
-    for where in wheres:
+    for name, pid in commits.items():
+        if gone(pid):
+            (folder / name).unlink(missing_ok=True)
+    for where, _ in wheres:
         fsync_path(where)
 
 
@@ -158,7 +170,7 @@ def _replace_all(target: Path, staged: list[tuple[Path, Path]]) -> None:
         for where in {dest.parent for _, dest in staged}:
             fsync_path(where)
     except BaseException:  # a full disk, an interrupt: the old files back now
-        recover(target)
+        recover(target, rollback=True)
         raise
     commit = target / f"{_COMMIT}{os.getpid()}"
     commit.touch()
@@ -179,9 +191,9 @@ def write_folder(
     folder or the complete one). Into an existing folder, each file is written to a temporary
     file beside it, fsynced, and moved over the old one with `os.replace`, all of them staged
     before the first is replaced and journaled (`_replace_all`), so that after a kill `recover`
-    gives the old adapter or the new one, never the files of both; nothing else in the folder is touched, so saving never
-    removes a file it did not write (a `lora/` of an earlier save stays, unnamed by the new
-    config, when the new adapter has none). An existing folder that holds anything but an
+    gives the old adapter or the new one, never the files of both; nothing else in the folder is
+    touched, so saving never removes a file it did not write (a `lora/` of an earlier save
+    stays, unnamed by the new config, when the new adapter has none). An existing folder that holds anything but an
     adapter's files (`foreign_files`: a training run's `step-*/`, `metrics.jsonl`, ...) is
     refused with a ValueError naming them, unless `overwrite=True`, which writes the adapter's
     files beside them and leaves them as they are. Temporary files of killed saves are removed."""
