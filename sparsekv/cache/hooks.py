@@ -102,10 +102,12 @@ def _check_step(cache, ids, kwargs: dict) -> None:
     if not isinstance(new_t, torch.Tensor) or new_t.dim() < 2:
         return
     new = int(new_t.shape[1])
-    seen = cache.tokens_seen()
     mask = kwargs.get("attention_mask")
     pos = kwargs.get("position_ids")
+    # tokens_seen() loops over the layers: read only where a check needs it (not on a decode
+    # step without a 2-D mask, the common one)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        seen = cache.tokens_seen()
         if mask.shape[-1] != seen + new:
             raise ValueError(
                 f"attention_mask covers {mask.shape[-1]} tokens, but this forward has {new} new "
@@ -129,9 +131,10 @@ def _check_step(cache, ids, kwargs: dict) -> None:
             "(under generate, positions come from attention_mask: pass a mask covering every "
             "token, past + new, or none)"
         )
-    if mask is None and seen and new > 1 and isinstance(pos, torch.Tensor) and pos.dim() == 2:
-        start = int(pos[:, 0].min())
-        if start != seen:
+    if mask is None and new > 1 and isinstance(pos, torch.Tensor) and pos.dim() == 2:
+        seen = cache.tokens_seen()
+        start = int(pos[:, 0].min()) if seen else 0
+        if seen and start != seen:
             raise ValueError(
                 f"this SparseKVCache has already seen {seen} tokens, but the forward's positions "
                 f"start at {start}: a cache holds one sequence and continues it. For another "
