@@ -62,8 +62,7 @@ def model_shape(model_or_config) -> ModelShape:
             "model must be a Hugging Face causal LM (a transformers model, e.g. from "
             "sparsekv.load_default_model() or AutoModelForCausalLM.from_pretrained), or its "
             f"config; got {type(model_or_config).__name__}"
-            + (f" {model_or_config!r}" if isinstance(model_or_config, str) else "")
-            + (" (load it first)" if isinstance(model_or_config, str) else "")
+            + (f" {model_or_config!r} (load it first)" if isinstance(model_or_config, str) else "")
         )
     cfg = text_config(model_or_config)
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:

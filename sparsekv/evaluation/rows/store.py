@@ -149,7 +149,9 @@ def check_numbers(r: dict[str, Any]) -> None:
 
 
 SLOT_FIELDS = ("sample_id", "protocol", "policy", "budget")
-"""What every row read from a folder must hold (with `score`): the fields of its slot."""
+"""The fields of a row's slot."""
+REQUIRED = (*SLOT_FIELDS, "score")
+"""What every row read from a folder must hold."""
 
 
 def check_rows(rows: list[dict[str, Any]], path: str | Path) -> list[dict[str, Any]]:
@@ -159,12 +161,9 @@ def check_rows(rows: list[dict[str, Any]], path: str | Path) -> list[dict[str, A
     hand, a file from another tool) instead of a KeyError or a report that shows a blank."""
     for i, r in enumerate(rows, 1):
         try:
-            missing = [k for k in (*SLOT_FIELDS, "score") if k not in r]
+            missing = [k for k in REQUIRED if k not in r]
             if missing:
-                raise BadRow(
-                    f"missing field(s) {missing}; every row holds "
-                    f"{', '.join((*SLOT_FIELDS, 'score'))}"
-                )
+                raise BadRow(f"missing field(s) {missing}; every row holds {', '.join(REQUIRED)}")
             for k in ("sample_id", "protocol", "policy"):
                 if not isinstance(r[k], str) or not r[k].strip():
                     raise BadRow(f"{k}={r[k]!r} is not a name; allowed: a non-empty string")
@@ -180,7 +179,6 @@ def check_rows(rows: list[dict[str, Any]], path: str | Path) -> list[dict[str, A
 def read_own(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a folder's results file, checked (`check_rows`), each slot once (`unique`)."""
     return unique(check_rows(read_rows(path), path), path)
-
 
 
 def slot(row: dict[str, Any]) -> tuple[str, str, str, str, str]:
