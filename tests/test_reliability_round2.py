@@ -325,3 +325,29 @@ def test_recovering_an_adapter_folder_leaves_other_files_alone(tmp_path):
     ScorerAdapter.for_model(tiny_model("llama"), hidden=16).save_pretrained(out, overwrite=True)
     assert ScorerAdapter.from_pretrained(out).config.hidden == 16
     assert all(p.read_text() == "mine" for p in theirs)
+
+
+def test_a_save_whose_rollback_fails_in_this_process_is_recovered_by_the_next_load(
+    tmp_path, monkeypatch
+):
+    """os.replace failing from its second call on (a dying disk): the save and its own rollback
+    stop half-way, and the same process's next load still finds the old adapter."""
+    import errno
+    import os
+
+    out = tmp_path / "adapter"
+    ScorerAdapter.for_model(tiny_model("llama"), hidden=8).save_pretrained(out)
+    real, calls = os.replace, [0]
+
+    def replace(a, b):
+        calls[0] += 1
+        if calls[0] >= 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="Input/output error"):
+        ScorerAdapter.for_model(tiny_model("llama"), hidden=16).save_pretrained(out)
+    monkeypatch.setattr(os, "replace", real)
+    assert ScorerAdapter.from_pretrained(out).config.hidden == 8
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]

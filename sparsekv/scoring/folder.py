@@ -36,6 +36,9 @@ an existing folder's files are replaced, `.NAME.old-PID-X` (a hard link to the o
 `.NAME.new-PID-X` (an empty mark: NAME did not exist before); `.commit-PID` says that every file
 was replaced."""
 _COMMIT = ".commit-"
+_ACTIVE: set[Path] = set()
+"""The journal files (staged files, marks, commit marks) of this process's saves now running:
+`recover` leaves them alone and takes this process's others for leftovers of a failed save."""
 
 
 def _parse(name: str) -> tuple[str, str, int] | None:
@@ -86,6 +89,7 @@ def _stage(dest: Path, data: bytes) -> Path:
     """`data` written and fsynced into a temporary file beside `dest` (same folder, so that
     `os.replace` onto `dest` is atomic)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}{_TMP}{os.getpid()}-", dir=dest.parent)
+    _ACTIVE.add(Path(tmp))  # until write_folder removes it
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -94,24 +98,25 @@ def _stage(dest: Path, data: bytes) -> Path:
         os.chmod(tmp, 0o644)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        _ACTIVE.discard(Path(tmp))
         raise
     return Path(tmp)
 
 
-def recover(folder: Path, rollback: bool = False) -> None:
+def recover(folder: Path) -> None:
     """Undo what a killed save left in an adapter `folder` (and its `LORA_DIR`): staged files
     removed; and when the save was replacing files (its `.old-` / `.new-` marks are there), the
     folder as it was before it (each `.NAME.old-` moved back over NAME, each NAME marked `.new-`
     removed), or, when its `.commit-PID` mark says every file was replaced, as it is after it.
-    Only an adapter's own names are touched (`_temp_of`), and only those of saves whose process
-    is gone; `rollback`: also this process's (a save that failed here). `write_folder` and
-    `from_pretrained` call it."""
+    Only an adapter's own names are touched (`_temp_of`), and only those of saves no longer
+    running (their process gone, or in this process not `_ACTIVE`: a save that failed here).
+    `write_folder` and `from_pretrained` call it."""
     folder = Path(folder)
     if not folder.is_dir():
         return
 
-    def gone(pid: int) -> bool:
-        return (rollback and pid == os.getpid()) or (pid != os.getpid() and not pid_alive(pid))
+    def gone(path: Path, pid: int) -> bool:
+        return path not in _ACTIVE if pid == os.getpid() else not pid_alive(pid)
 
     wheres = [(folder, ADAPTER_NAMES)]
     if (folder / LORA_DIR).is_dir():
@@ -127,7 +132,7 @@ def recover(folder: Path, rollback: bool = False) -> None:
     committed = set(commits.values())
     for where, name in entries:
         parsed = _parse(name)
-        if parsed is None or not gone(parsed[2]):
+        if parsed is None or not gone(where / name, parsed[2]):
             continue
         base, kind, pid = parsed
         if kind == ".old-" and pid not in committed:
@@ -139,7 +144,7 @@ def recover(folder: Path, rollback: bool = False) -> None:
             (where / base).unlink(missing_ok=True)  # a file the killed save added
         (where / name).unlink(missing_ok=True)
     for name, pid in commits.items():
-        if gone(pid):
+        if gone(folder / name, pid):
             (folder / name).unlink(missing_ok=True)
     for where, _ in wheres:
         fsync_path(where)
@@ -162,6 +167,7 @@ def _replace_all(target: Path, staged: list[tuple[Path, Path]]) -> None:
             mark = dest.parent / f".{dest.name}.new-{tag}"
             mark.touch()
         marks.append(mark)
+        _ACTIVE.add(mark)
     for where in {dest.parent for _, dest in staged}:
         fsync_path(where)
     try:
@@ -170,14 +176,19 @@ def _replace_all(target: Path, staged: list[tuple[Path, Path]]) -> None:
         for where in {dest.parent for _, dest in staged}:
             fsync_path(where)
     except BaseException:  # a full disk, an interrupt: the old files back now
-        recover(target, rollback=True)
+        _ACTIVE.difference_update(marks)
+        recover(target)
         raise
     commit = target / f"{_COMMIT}{os.getpid()}"
-    commit.touch()
-    fsync_path(target)
-    for mark in marks:
-        mark.unlink(missing_ok=True)
-    commit.unlink(missing_ok=True)
+    _ACTIVE.add(commit)
+    try:
+        commit.touch()
+        fsync_path(target)
+        for mark in marks:
+            mark.unlink(missing_ok=True)
+        commit.unlink(missing_ok=True)
+    finally:  # interrupted here: what is left is a leftover, which the next recover finishes
+        _ACTIVE.difference_update([*marks, commit])
     fsync_path(target)
 
 
@@ -250,4 +261,5 @@ def write_folder(
     finally:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
+            _ACTIVE.discard(tmp)
     return target
