@@ -133,8 +133,7 @@ def _check_step(cache, ids, kwargs: dict) -> None:
         )
     if mask is None and new > 1 and isinstance(pos, torch.Tensor) and pos.dim() == 2:
         seen = cache.tokens_seen()
-        start = int(pos[:, 0].min()) if seen else 0
-        if seen and start != seen:
+        if seen and (start := int(pos[:, 0].min())) != seen:
             raise ValueError(
                 f"this SparseKVCache has already seen {seen} tokens, but the forward's positions "
                 f"start at {start}: a cache holds one sequence and continues it. For another "

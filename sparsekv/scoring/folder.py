@@ -204,10 +204,11 @@ def write_folder(
     before the first is replaced and journaled (`_replace_all`), so that after a kill `recover`
     gives the old adapter or the new one, never the files of both; nothing else in the folder is
     touched, so saving never removes a file it did not write (a `lora/` of an earlier save
-    stays, unnamed by the new config, when the new adapter has none). An existing folder that holds anything but an
-    adapter's files (`foreign_files`: a training run's `step-*/`, `metrics.jsonl`, ...) is
-    refused with a ValueError naming them, unless `overwrite=True`, which writes the adapter's
-    files beside them and leaves them as they are. Temporary files of killed saves are removed."""
+    stays, unnamed by the new config, when the new adapter has none). An existing folder that
+    holds anything but an adapter's files (`foreign_files`: a training run's `step-*/`,
+    `metrics.jsonl`, ...) is refused with a ValueError naming them, unless `overwrite=True`,
+    which writes the adapter's files beside them and leaves them as they are. Temporary files
+    of killed saves are removed."""
     target = Path(target).expanduser()
     if target.exists() and not target.is_dir():
         raise ValueError(f"save_directory={str(target)!r} exists and is not a folder")
