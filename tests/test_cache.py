@@ -282,9 +282,20 @@ def test_unsupported_things_fail_loudly():
     model(input_ids=_ids(1, 64), cache=cache)
     with pytest.raises(RuntimeError, match="crop"):
         cache.crop(-2)
-    with pytest.raises((NotImplementedError, ValueError), match="beam"):
-        model.generate(_ids(1, 20), cache=SparseKVCache(model, EvictionConfig(budget=0.5), "snapkv"),
-                       num_beams=2, max_new_tokens=3)
+    beams = SparseKVCache(model, EvictionConfig(budget=0.5), "snapkv")
+    with pytest.raises(ValueError, match="num_beams > 1: beam search is not supported"):
+        model.generate(_ids(1, 20), cache=beams, num_beams=2, max_new_tokens=3)
+    assert beams.tokens_seen() == 0  # refused before the prefill ran, not at the first reorder
+    # the same cache then serves a greedy call: the refusal left nothing behind
+    out = model.generate(_ids(1, 20), cache=beams, max_new_tokens=3, min_new_tokens=3,
+                         do_sample=False)
+    assert out.shape[1] == 23
+    # a static layout refuses it the same way
+    static = SparseKVCache(model, EvictionConfig(budget=0.5, layout="static", max_length=64,
+                                                 recent_window=4), "snapkv")
+    with pytest.raises(ValueError, match="num_beams > 1"):
+        model.generate(_ids(1, 20), cache=static, num_beams=3, do_sample=True, max_new_tokens=3)
+    assert static.tokens_seen() == 0
 
 
 @pytest.mark.parametrize(

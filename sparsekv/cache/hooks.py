@@ -6,9 +6,11 @@ Each hook holds a weak reference to its cache and acts only on forwards through 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from sparsekv.cache.layer import EvictingLayer
+from sparsekv.cache.layer import BEAM_SEARCH, EvictingLayer
 from sparsekv.policies.repeat_pass import score_pending
 
 
@@ -85,6 +87,23 @@ def _check_inputs(ref):
     return hook
 
 
+def _in_beam_search() -> bool:
+    """Whether this forward is called from transformers' beam search (its `_beam_search` frame
+    is on the stack): `generate` passes no generation settings to the model, and a prefill
+    through this cache should be refused before it runs, not at the first `reorder_cache`."""
+    try:
+        from transformers.generation.utils import GenerationMixin
+    except ImportError:  # pragma: no cover - transformers without generation
+        return False
+    code = getattr(getattr(GenerationMixin, "_beam_search", None), "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _check_step(cache, ids, kwargs: dict) -> None:
     """Refuse, before the model runs, a forward whose inputs cannot belong to this cache's
     sequence: token ids that are not integers, a 2-D `attention_mask` that does not cover the
@@ -102,6 +121,8 @@ def _check_step(cache, ids, kwargs: dict) -> None:
     if not isinstance(new_t, torch.Tensor) or new_t.dim() < 2:
         return
     new = int(new_t.shape[1])
+    if new > 1 and cache.tokens_seen() == 0 and _in_beam_search():  # a prefill under beams
+        raise ValueError(BEAM_SEARCH)
     mask = kwargs.get("attention_mask")
     pos = kwargs.get("position_ids")
     # tokens_seen() loops over the layers: read only where a check needs it (not on a decode

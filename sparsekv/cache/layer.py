@@ -25,6 +25,11 @@ from sparsekv.cache.shared import SharedState
 from sparsekv.policies import ScoreContext
 from sparsekv.policies.base import checked_scores
 
+BEAM_SEARCH = (
+    "num_beams > 1: beam search is not supported by SparseKVCache (beams would need per-beam "
+    "eviction histories); use greedy decoding or sampling (num_beams=1)"
+)
+
 _RECORDABLE = ("all", "window", "last")
 _PER_ENTRY = ("keys", "values", "key_scale", "value_scale", "positions", "scores", "observed")
 
@@ -214,10 +219,7 @@ class EvictingLayer(DynamicLayer):
             self.shared.core[..., self.seen :] = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(
-            "beam search is not supported by SparseKVCache (beams would need per-beam eviction "
-            "histories); use greedy or sampling (num_beams=1)"
-        )
+        raise NotImplementedError(BEAM_SEARCH)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
