@@ -376,3 +376,50 @@ def test_extra_memory_grows_linearly():
     # doubling the length at most ~doubles the extra memory (quadratic would quadruple it)
     assert blockwise[4096] < 2.6 * blockwise[2048]
     assert blockwise[4096] < naive_4k / 4
+
+
+@pytest.mark.parametrize("padding", ["left", None])
+def test_blocked_teacher_attention_equals_one_sdpa_call(monkeypatch, padding):
+    """The teacher's sdpa runs long masked forwards a query block at a time over only the keys
+    the block may attend (`_blocked_sdpa`): every layer's input and every statistic the callback
+    sees (queries, keys, values) are those of one sdpa call over all keys, on a sliding-window family with padding."""
+    import transformers.integrations.sdpa_attention as sdpa_mod
+
+    from sparsekv.teacher import forward as tf
+
+    model = tiny_model("gemma3")
+    ids, mask = _inputs(padding or "left")
+    if padding is None:
+        mask = None
+    calls = []
+    real = sdpa_mod.sdpa_attention_forward
+
+    def counted(module, query, key, *args, **kwargs):
+        calls.append((query.shape[2], key.shape[2]))
+        return real(module, query, key, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention_forward", counted)
+
+    def run(block):
+        monkeypatch.setattr(tf, "QUERY_BLOCK", block)
+        got = {}
+
+        def compute(module, layer, query, key, value, hidden, kwargs):
+            got[layer] = (query.clone(), key.clone(), value.clone())
+
+        calls.clear()
+        hidden = tf.teacher_forward(model, ids, mask, compute, layers=[0, 1, 2, 3],
+                                    hidden_layers=[1, 2, 3])
+        return hidden, got, list(calls)
+
+    ref_h, ref_s, ref_calls = run(10**9)
+    h, s, blocked = run(16)
+    assert all(q == SEQ for q, _ in ref_calls)  # one call per layer
+    # sliding layers: blocks of 16 queries over at most 16 + 31 keys; with padding the full
+    # layer too is blocked (its mask is a tensor), each block over the keys up to its end
+    assert any(q == 16 and k <= 47 for q, k in blocked)
+    for layer in (1, 2, 3):
+        torch.testing.assert_close(h[layer], ref_h[layer], atol=1e-5, rtol=1e-5)
+    for layer in ref_s:
+        for a, b in zip(s[layer], ref_s[layer]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

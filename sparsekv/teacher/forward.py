@@ -51,13 +51,46 @@ _ACTIVE: contextvars.ContextVar[_Collector | None] = contextvars.ContextVar(
 _REGISTERED: set[str] = set()
 
 
+QUERY_BLOCK = 512
+"""Queries per sdpa call of a long masked forward (`_blocked_sdpa`)."""
+
+
+def _blocked_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention, for a long forward with a boolean mask (a sliding-window
+    layer, padding) run `QUERY_BLOCK` queries at a time over only the keys some query of the
+    block may attend: the same output, without the masked-out products (a sliding window of 512
+    over 3.4K tokens: about 3x less attention work on a CPU). Other calls go through unchanged
+    (no mask: sdpa's own causal kernel already skips the upper triangle)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_len = query.shape[2]
+    if (
+        not isinstance(attention_mask, torch.Tensor)
+        or attention_mask.dtype != torch.bool
+        or attention_mask.dim() != 4
+        or q_len <= QUERY_BLOCK
+        or kwargs.get("position_bias") is not None
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    allowed = attention_mask.any(0).any(0)  # (q, k): some sequence and head may attend
+    outs = []
+    for s in range(0, q_len, QUERY_BLOCK):
+        e = min(q_len, s + QUERY_BLOCK)
+        cols = allowed[s:e].any(0).nonzero()
+        lo, hi = (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, key.shape[2])
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, s:e], key[:, :, lo:hi], value[:, :, lo:hi],
+            attention_mask[..., s:e, lo:hi], **kwargs,
+        )
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
+
+
 def _teacher_attention(base: str, module, query, key, value, attention_mask, **kwargs):
     if base == "eager":
         out = eager_attention_function(module)(module, query, key, value, attention_mask, **kwargs)
     else:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        out = _blocked_sdpa(module, query, key, value, attention_mask, **kwargs)
     col = _ACTIVE.get()
     layer = col.layer_of.get(id(module)) if col is not None else None
     if layer is not None and layer in col.layers:
