@@ -164,6 +164,7 @@ def teacher_forward(
     *,
     layers: Sequence[int],
     hidden_layers: Sequence[int],
+    cache: Any = None,
 ) -> dict[int, torch.Tensor]:
     """One frozen forward of `model` on `input_ids` `(batch, seq)` that calls
     `compute(module, layer, query, key, value, hidden, kwargs)` from inside the attention of every
@@ -172,8 +173,11 @@ def teacher_forward(
     `kwargs` the attention call's scaling, softcap, sliding_window). Returns the self_attn inputs
     of `hidden_layers`, detached: layer -> `(batch, seq, hidden)`.
 
-    The forward runs under `torch.no_grad()` with `use_cache=False` and `logits_to_keep=1`, in
-    eval mode; the model's mode, attention implementation and hooks are restored afterwards.
+    The forward runs under `torch.no_grad()` with `logits_to_keep=1`, in eval mode; the model's
+    mode, attention implementation and hooks are restored afterwards. Without `cache` it keeps
+    no cache; with a transformers `Cache` it continues (and extends) the sequence that cache
+    holds: the queries, hidden states and returned inputs are the new tokens', the keys and
+    values span the cached tokens too (how one prefix serves several continuations).
     """
     shape = model_shape(model)
     want, keep_hidden = set(layers), set(hidden_layers)
@@ -206,8 +210,9 @@ def teacher_forward(
             model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                use_cache=False,
+                use_cache=cache is not None,
                 logits_to_keep=1,
+                **({} if cache is None else {"cache": cache}),
             )
     finally:
         _ACTIVE.reset(token)

@@ -5,11 +5,14 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from sparsekv.teacher.reconstruction import repeat_received
 
@@ -26,11 +29,10 @@ def compute_row(
     """The stored tensors of one row: `(length,)` ids and mask in, name -> tensor out (statistics
     `(kv_heads, length)` float32 with 0 on padding, `hidden.<l>` `(length, hidden)` in the
     model's dtype). `settings` is `target_settings(...)`. One frozen forward over the real tokens
-    `c`, or over `c + repeat prompt + copy` when a repeat signal is stored; the probe signal
-    (`sparsekv.teacher.probes`) appends its probes to `c` in that pass when there is no repeat,
-    and runs a second pass over `c + probes` when there is (probes must not see the copy). A
-    sequence too short for any probe stores a zero probe statistic (its probe target is empty and
-    `combine_targets` leaves it out)."""
+    `c` into a cache, which the repeat pass (`repeat prompt + copy`, when a repeat signal is
+    stored) and the probes (`sparsekv.teacher.probes`, which must not see the copy) each
+    continue: c's forward runs once. A sequence too short for any probe stores a zero probe
+    statistic (its probe target is empty and `combine_targets` leaves it out)."""
     from sparsekv.models.families import model_shape, text_config
     from sparsekv.teacher.forward import layer_scaling, teacher_forward
     from sparsekv.teacher.probes import probe_layout
@@ -63,19 +65,13 @@ def compute_row(
     if r_layers or z_layers:
         bos = getattr(text_config(model), "bos_token_id", None)
         ids, copy_start = reconstruction_layout(context, settings["repeat_prompt_ids"], bos)
-        probe_pass = True
-    else:
-        ids, copy_start = (probes.ids if probes is not None else context), None
-        probe_pass = False
     got: dict[str, torch.Tensor] = {}
 
     def probe_stat(module, layer, query, key, kwargs):
-        if not probes.query_positions:
-            got[f"probe.{layer}"] = torch.zeros(1, key.shape[1], m)
-            return
+        # `query` holds the probes' part only (positions m onwards); `key` spans c too
         qpos = torch.tensor(probes.query_positions, device=query.device)
         r, _ = repeat_received(
-            query[:, :, qpos],
+            query[:, :, qpos - m],
             key,
             None,
             None,
@@ -91,64 +87,73 @@ def compute_row(
         )
         got[f"probe.{layer}"] = r[..., :m]
 
-    def compute(module, layer, query, key, value, hidden, kwargs):
-        common = {
+    def common(module, query, key, kwargs) -> dict[str, Any]:
+        return {
             "scaling": layer_scaling(module, kwargs),
             "softcap": kwargs.get("softcap"),
             "num_kv_groups": query.shape[1] // key.shape[1],
             "block_size": block_size,
         }
-        if layer in q_layers:
-            got[f"questions.{layer}"] = attention_received(
-                query[:, :, :m],
-                key[:, :, :m],
-                stat=settings["stat"],
-                sliding_window=kwargs.get("sliding_window"),
-                normalize=settings["normalize"],
-                exclude_self=settings["exclude_self"],
-                min_distance=settings["min_distance"],
-                **common,
-            )
-        if layer in r_layers or layer in z_layers:  # one softmax serves both
-            r, z = repeat_received(
-                query[:, :, copy_start:],
-                key,
-                value,
-                hidden[:, copy_start:],
-                module.o_proj.weight,
-                stat=settings["stat"],
-                normalize=settings["normalize"],
-                reconstruction=layer in r_layers,
-                kvzip_plus=layer in z_layers,
-                **common,
-            )
-            if r is not None:
-                got[f"reconstruction.{layer}"] = r[..., :m]
-            if z is not None:
-                got[f"kvzip_plus.{layer}"] = z[..., :m]
-        if layer in p_layers and not probe_pass:
-            probe_stat(module, layer, query, key, kwargs)
 
+    def questions(module, layer, query, key, value, hidden, kwargs):
+        got[f"questions.{layer}"] = attention_received(
+            query,
+            key,
+            stat=settings["stat"],
+            sliding_window=kwargs.get("sliding_window"),
+            normalize=settings["normalize"],
+            exclude_self=settings["exclude_self"],
+            min_distance=settings["min_distance"],
+            **common(module, query, key, kwargs),
+        )
+
+    def repeat(module, layer, query, key, value, hidden, kwargs):
+        # the continuation `prompt + copy` after c: its copy starts at copy_start - m
+        r, z = repeat_received(  # one softmax serves both
+            query[:, :, copy_start - m :],
+            key,
+            value,
+            hidden[:, copy_start - m :],
+            module.o_proj.weight,
+            stat=settings["stat"],
+            normalize=settings["normalize"],
+            reconstruction=layer in r_layers,
+            kvzip_plus=layer in z_layers,
+            **common(module, query, key, kwargs),
+        )
+        if r is not None:
+            got[f"reconstruction.{layer}"] = r[..., :m]
+        if z is not None:
+            got[f"kvzip_plus.{layer}"] = z[..., :m]
+
+    # c once, into a cache; the repeat pass and the probes each continue it (the probes never
+    # see the copy), so c's forward is not run again for either
     device = next(model.parameters()).device
+    tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+    cache = DynamicCache(config=text_config(model)) if (r_layers or z_layers or p_layers) else None
     hidden = teacher_forward(
-        model,
-        torch.tensor([ids], dtype=torch.long, device=device),
-        None,
-        compute,
-        layers=sorted(q_layers | r_layers | z_layers | (set() if probe_pass else p_layers)),
-        hidden_layers=list(layers),
+        model, tensor([context]), None, questions, layers=sorted(q_layers),
+        hidden_layers=list(layers), cache=cache,
     )
-    if p_layers and probe_pass:
+    if p_layers and not probes.query_positions:
+        for layer in p_layers:
+            got[f"probe.{layer}"] = torch.zeros(1, shape.num_kv_heads, m)
+    elif p_layers:
+        branch = copy.deepcopy(cache) if (r_layers or z_layers) else cache
         teacher_forward(
-            model,
-            torch.tensor([probes.ids], dtype=torch.long, device=device),
-            None,
+            model, tensor([probes.ids[m:]]), None,
             lambda module, layer, query, key, value, hidden_, kwargs: probe_stat(
                 module, layer, query, key, kwargs
             ),
-            layers=sorted(p_layers),
-            hidden_layers=[],
+            layers=sorted(p_layers), hidden_layers=[], cache=branch,
         )
+        del branch
+    if r_layers or z_layers:
+        teacher_forward(
+            model, tensor([ids[m:]]), None, repeat, layers=sorted(r_layers | z_layers),
+            hidden_layers=[], cache=cache,
+        )
+    del cache
     where = valid.nonzero().squeeze(-1)
     out: dict[str, torch.Tensor] = {
         "input_ids": input_ids.detach().to("cpu", torch.int64).clone(),
