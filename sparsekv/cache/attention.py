@@ -142,6 +142,27 @@ def entry_mask(
     return (pos <= qpos[None, None, :, None]) & (pos >= 0)
 
 
+def real_new_entries(
+    padding: torch.Tensor | None, seen: int, q: int, check_until: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For the `q` new entries that end at token `seen`: `(real, first_valid)`, `real` `(batch,
+    q)` bool (True = real) and `first_valid` `(batch,)` the leading pads per sequence, when the
+    step is checked (multi-token, or a single token up to `check_until`) and `padding` `(batch,
+    seen)` holds a pad; None otherwise."""
+    if padding is None or (q == 1 and seen > check_until):
+        return None
+    padding = padding.to(device, torch.bool)
+    if padding.all():  # the one host sync of a prefill step
+        return None
+    real = padding[:, seen - q : seen]
+    if real.shape[-1] != q:
+        raise ValueError(
+            f"attention_mask covers {padding.shape[-1]} tokens but the cache has seen {seen}; "
+            "pass the mask of all tokens so far (past + new)"
+        )
+    return real, (padding.long().cumsum(-1) == 0).sum(-1)
+
+
 def expand_heads(mask: torch.Tensor, groups: int) -> torch.Tensor:
     """`(batch, kv_heads, q, k)` -> `(batch, kv_heads * groups, q, k)` (query-head order of GQA)."""
     if groups == 1:

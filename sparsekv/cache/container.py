@@ -25,13 +25,14 @@ from sparsekv.cache.hooks import (
     _capture_hidden,
     _check_inputs,
     _chunk_prefill,
+    _finish_static_steps,
     _note_inputs,
     _remove_hooks,
 )
 from sparsekv.cache.layer import _RECORDABLE, EvictingLayer
 from sparsekv.cache.schedules import layer_fractions
 from sparsekv.cache.shared import SharedState
-from sparsekv.cache.static import StaticEvictingLayer, finish_hook
+from sparsekv.cache.static import StaticEvictingLayer
 from sparsekv.config import EvictionConfig
 from sparsekv.models.families import attention_modules, model_shape, text_config
 from sparsekv.policies import Policy
@@ -332,7 +333,7 @@ class SparseKVCache(Cache):
                 )
         self._hooks.append(model.register_forward_pre_hook(_check_inputs(ref), with_kwargs=True))
         if self.config.layout == "static":  # decode steps are scored once the forward returns
-            self._hooks.append(model.register_forward_hook(finish_hook(ref), with_kwargs=True))
+            self._hooks.append(model.register_forward_hook(_finish_static_steps(ref), with_kwargs=True))
         if self.config.prefill_chunk:
             self._hooks.append(model.register_forward_pre_hook(_chunk_prefill(ref), with_kwargs=True))
         if self.policy.scores_after_prefill or self.shared.record or self.policy.needs_input_ids:

@@ -1,6 +1,6 @@
 """The forward hooks a `SparseKVCache` installs on its model: marking the model's own forwards,
 capturing attention inputs, noting a forward's token ids, scoring a repeat pass once a forward
-returns, chunking a long prefill.
+returns, chunking a long prefill, finishing the static layout's decode steps.
 
 Each hook holds a weak reference to its cache and acts only on forwards through that cache."""
 
@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+import sparsekv.cache.static as static
 from sparsekv.cache.layer import BEAM_SEARCH, EvictingLayer
 from sparsekv.policies.repeat_pass import score_pending
 
@@ -217,5 +218,18 @@ def _chunk_prefill(ref):
         if pos is not None:
             kwargs["position_ids"] = pos[:, last:]
         return (), kwargs
+
+    return hook
+
+
+def _finish_static_steps(ref):
+    """Forward hook on the model (static layout): once a forward through the cache returns,
+    finish its decode steps (`sparsekv.cache.static.finish_steps`, looked up at call time;
+    eagerly, outside a compiled `model.forward`)."""
+
+    def hook(module, args, kwargs, output):
+        cache = ref()
+        if cache is not None and kwargs.get("cache") is cache:
+            static.finish_steps(cache)
 
     return hook

@@ -147,8 +147,7 @@ class EvictingLayer(DynamicLayer):
         return self._dequantized(0, new_k), self._dequantized(1, new_v)
 
     def _dequantized(self, which: int, own: torch.Tensor | None = None) -> torch.Tensor:
-        """The INT8 store's keys (`which` 0) or values (1) dequantized; `own`: its last entry
-        at full precision instead."""
+        """The INT8 store's keys (`which` 0) or values (1) dequantized (`own`: its last entry)."""
         q, scale = (self.keys, self.key_scale) if which == 0 else (self.values, self.value_scale)
         out = dequantize(q, scale)
         if own is not None:
@@ -254,21 +253,11 @@ class EvictingLayer(DynamicLayer):
         self.has_padding = True
 
     def _real_new(self, padding: torch.Tensor | None, seen: int, q: int) -> torch.Tensor | None:
-        """`(batch, q)` bool, True = real, for the `q` new entries that end at token `seen`, when
-        the step is checked and `padding` holds a pad (then also the leading pads per sequence,
-        `first_valid`); None otherwise."""
-        if padding is None or (q == 1 and seen > self.shared.padding_check_until):
+        """`attention.real_new_entries` for this layer (noting the leading pads, `first_valid`)."""
+        got = attn.real_new_entries(padding, seen, q, self.shared.padding_check_until, self.device)
+        if got is None:
             return None
-        padding = padding.to(self.device, torch.bool)
-        if padding.all():  # the one host sync of a prefill step
-            return None
-        real = padding[:, seen - q : seen]
-        if real.shape[-1] != q:
-            raise ValueError(
-                f"attention_mask covers {padding.shape[-1]} tokens but the cache has seen {seen}; "
-                "pass the mask of all tokens so far (past + new)"
-            )
-        self.shared.first_valid = (padding.long().cumsum(-1) == 0).sum(-1)  # leading pads
+        real, self.shared.first_valid = got
         return real
 
     def attention_mask(self, q: int, explicit_causal: bool) -> torch.Tensor | None:
@@ -483,13 +472,5 @@ class EvictingLayer(DynamicLayer):
     def _take(self, index) -> None:
         """Keep entries `index` (a slice, or `(batch, heads, k)` indices) of every per-entry tensor."""
         for name in _PER_ENTRY:
-            t = getattr(self, name)
-            if t is None:
-                continue
-            if isinstance(index, slice):
-                t = t[:, :, index]
-            elif t.ndim == 4:
-                t = t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))
-            else:
-                t = t.gather(2, index)
-            setattr(self, name, t)
+            if getattr(self, name) is not None:
+                setattr(self, name, selection.gather_entries(getattr(self, name), index))

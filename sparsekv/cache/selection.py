@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["core_marks", "keep_indices", "protected"]
+__all__ = ["core_marks", "gather_entries", "keep_indices", "protected"]
 
 
 def protected(
@@ -59,3 +59,15 @@ def keep_indices(
     entry first, then the best scores; padding last."""
     eff = scores.masked_fill(prot, float("inf")).masked_fill(positions < 0, float("-inf"))
     return eff.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+def gather_entries(tensor: torch.Tensor | None, index) -> torch.Tensor | None:
+    """Entries `index` (a slice, or `(batch, heads, k)` indices) of one per-entry tensor
+    `(batch, heads, stored[, dim])`, in that order; None stays None."""
+    if tensor is None:
+        return None
+    if isinstance(index, slice):
+        return tensor[:, :, index]
+    if tensor.ndim == 4:
+        return tensor.gather(2, index[..., None].expand(-1, -1, -1, tensor.shape[-1]))
+    return tensor.gather(2, index)

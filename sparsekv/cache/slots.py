@@ -3,7 +3,12 @@ buffers whose prefixes stand in for a layer's per-entry tensors.
 
 `SlotBuffers` holds one buffer per per-entry tensor (`ENTRY_NAMES`); `Entry` is the descriptor
 that makes `layer.keys` (etc.) a view of a buffer's prefix and an assignment a copy into it.
-Capacity: `slot_count` (see `sparsekv.cache.static` for the rule)."""
+Capacity (`slot_count`): the largest number of entries a layer may keep, max(budget at
+`max_length` tokens, sink_tokens + recent_window), plus room for one step's entries before they
+are evicted: `static_slack`, default max(prefill_chunk or 0, evict_slack + 1). A prefill chunk
+(or an unchunked prompt) that needs more free slots than that, or a sequence longer than
+`max_length`, raises a ValueError naming the setting to change. The "full" policy keeps every
+token, so it needs `max_length` slots."""
 
 from __future__ import annotations
 

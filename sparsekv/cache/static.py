@@ -38,17 +38,12 @@ How it stays exact and static at once:
 - Multi-token steps (prefill chunks) are not captured: they append after the prefix and attend
   over the prefix, exactly as the default layout does.
 
-Capacity (`slot_count`): the largest number of entries a layer may keep, max(budget at
-`max_length` tokens, sink_tokens + recent_window), plus room for one step's entries before they
-are evicted: `static_slack`, default max(prefill_chunk or 0, evict_slack + 1). A prefill chunk
-(or an unchunked prompt) that needs more free slots than that, or a sequence longer than
-`max_length`, raises a ValueError naming the setting to change. The "full" policy keeps every
-token, so it needs `max_length` slots.
+Capacity: `sparsekv.cache.slots` (a step that needs more free slots than a layer has, or a
+sequence longer than `max_length`, raises a ValueError naming the setting to change).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -454,18 +449,6 @@ def finish_steps(cache: Any) -> None:
             layer.finish_step()
 
 
-def finish_hook(ref: Callable[[], Any]) -> Callable:
-    """Forward hook on the model: once a forward through the cache (`ref()`) returns, finish its
-    decode steps (eagerly: outside a compiled `model.forward`)."""
-
-    def hook(module, args, kwargs, output):
-        cache = ref()
-        if cache is not None and kwargs.get("cache") is cache:
-            finish_steps(cache)
-
-    return hook
-
-
 def slots_per_layer(cache: Any) -> dict[int, int]:
     """Slots per KV head of each static layer of `cache`, by layer index."""
     return {
@@ -479,7 +462,6 @@ __all__ = [
     "ENTRY_NAMES",
     "SlotBuffers",
     "StaticEvictingLayer",
-    "finish_hook",
     "finish_steps",
     "slot_count",
     "slots_per_layer",
