@@ -24,6 +24,7 @@ from conftest import tiny_model
 from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, policies
 from sparsekv.cache import attention as attn_mod
 from sparsekv.cache import dequantize, quantize
+from sparsekv.cache import int8 as int8_mod
 from sparsekv.cache import layer as cache_mod
 from sparsekv.cache.int8_attention import (
     SPLIT_BLOCK,
@@ -159,6 +160,7 @@ def test_an_int8_decode_step_allocates_no_copy_of_its_layer(attn_implementation,
         return real(q, scale)
 
     monkeypatch.setattr(cache_mod, "dequantize", counting)
+    monkeypatch.setattr(int8_mod, "dequantize", counting)  # what dequantize_with calls
     monkeypatch.setattr(type(layer), "codec", (quantize, counting))
     pos = torch.tensor([[41], [41]])
     biggest = _largest_allocation(lambda: model(input_ids=tok, position_ids=pos, cache=cache))
@@ -304,6 +306,7 @@ def test_a_decode_step_scored_from_attention_makes_no_copy_of_its_layer(layout, 
         return real(q, scale)
 
     monkeypatch.setattr(cache_mod, "dequantize", counting)
+    monkeypatch.setattr(int8_mod, "dequantize", counting)  # what dequantize_with calls
     if layout == "static":
         monkeypatch.setattr(type(layer), "codec", (quantize, counting))
     pos = pos + 1
@@ -336,6 +339,7 @@ def test_an_int8_decode_step_dequantizes_only_what_its_policy_reads(layout, name
         return real(q, scale)
 
     monkeypatch.setattr(cache_mod, "dequantize", counting)
+    monkeypatch.setattr(int8_mod, "dequantize", counting)  # what dequantize_with calls
     if layout == "static":
         monkeypatch.setattr(type(layers[0]), "codec", (quantize, counting))
     model(input_ids=tok, position_ids=torch.tensor([[300], [300]]), cache=cache)

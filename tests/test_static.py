@@ -20,7 +20,8 @@ from reference import run_sparse
 
 from sparsekv import EvictionConfig, ScorerAdapter, SparseKVCache, policies
 from sparsekv.cache.layer import _PER_ENTRY
-from sparsekv.cache.static import ENTRY_NAMES, finish_steps, slot_count, slots_per_layer
+from sparsekv.cache.slots import ENTRY_NAMES, slot_count
+from sparsekv.cache.static import finish_steps, slots_per_layer
 from sparsekv.policies.base import _REGISTRY
 
 SMALL = dict(

@@ -15,3 +15,19 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(scale.dtype) * scale
+
+
+def dequantize_with(
+    q: torch.Tensor, scale: torch.Tensor, own: torch.Tensor | None, at: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`q` dequantized with one entry per sequence and head put back at full precision: `own`
+    `(b, h, 1, d)` at slot `at` `(b, h, 1)` (None: the last slot). What attention saw for an INT8
+    decode step, whose own key and value it read before they were stored as int8."""
+    out = dequantize(q, scale)
+    if own is None:
+        return out
+    if at is None:
+        out[:, :, -1:] = own
+    else:
+        out.scatter_(2, at[..., None].expand(own.shape), own)
+    return out

@@ -9,7 +9,6 @@ the static layout (`sparsekv.cache.static`) is its subclass."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -18,11 +17,11 @@ from transformers.cache_utils import (
 )
 
 import sparsekv.cache.attention as attn
+import sparsekv.cache.policy_inputs as inputs
 import sparsekv.cache.selection as selection
-from sparsekv.cache.int8 import dequantize, quantize
+from sparsekv.cache.int8 import dequantize, dequantize_with, quantize
 from sparsekv.cache.schedules import layer_capacity
 from sparsekv.cache.shared import SharedState
-from sparsekv.policies import ScoreContext
 from sparsekv.policies.base import checked_scores
 
 BEAM_SEARCH = (
@@ -149,10 +148,7 @@ class EvictingLayer(DynamicLayer):
     def _dequantized(self, which: int, own: torch.Tensor | None = None) -> torch.Tensor:
         """The INT8 store's keys (`which` 0) or values (1) dequantized (`own`: its last entry)."""
         q, scale = (self.keys, self.key_scale) if which == 0 else (self.values, self.value_scale)
-        out = dequantize(q, scale)
-        if own is not None:
-            out[:, :, -1:] = own
-        return out
+        return dequantize_with(q, scale, own)
 
     def _dense_one(self, which: int) -> torch.Tensor:
         """`dense()[which]` (0: keys, 1: values) without building the other one."""
@@ -272,54 +268,6 @@ class EvictingLayer(DynamicLayer):
     def capacity(self) -> int:
         return layer_capacity(self.shared.config, self.fraction, self.seen)
 
-    def _context(self, phase: str, query=None, attention=None) -> ScoreContext:
-        n_old = self.stored() - self.num_new
-        prev = None if self.scores is None else self.scores[..., :n_old]
-        return ScoreContext(
-            layer_idx=self.layer_idx,
-            phase=phase,
-            # built only if the policy reads them (ScoreContext), while this step's entries are
-            # live; an INT8 layer dequantizes only what is read
-            keys=functools.partial(self._dense_one, 0),
-            values=functools.partial(self._dense_one, 1),
-            positions=self.positions,
-            num_new=self.num_new,
-            tokens_seen=self.seen,
-            prev_scores=prev,
-            attention=attention,
-            observed=self.observed,
-            queries=query,
-            hidden_states=self.hidden_states(),
-            budget_rank=self.budget_rank,
-            num_budgeted=self.shared.num_budgeted,
-            input_ids=self._new_ids(),
-            model=self.shared.model() if self.shared.model is not None else None,
-        )
-
-    def hidden_states(self) -> torch.Tensor | None:
-        """The attention inputs the policy scores this step's new entries from: this layer's, or
-        the first budgeted layer's for a policy with `hidden_from_first`."""
-        return self.shared.first_hidden if self.shared.policy.hidden_from_first else self.hidden
-
-    def _new_ids(self) -> torch.Tensor | None:
-        """Token ids of the new entries `(batch, num_new)`, when the policy reads them and the
-        forward that brought them had ids."""
-        ids = self.shared.input_ids
-        if not self.shared.policy.needs_input_ids or ids is None or not self.num_new:
-            return None
-        return ids[:, -self.num_new :] if ids.shape[-1] >= self.num_new else None
-
-    def _received_from(self, which: str | None, window: int, query, kv_mask, scaling, softcap):
-        """Attention the stored entries received from the new queries that `which` selects:
-        "all" (or None), the "last" one, or the last `window`. `(batch, kv_heads, stored)`."""
-        q = query.shape[2]
-        n = {"all": q, "last": 1, "window": min(window, q), None: q}[which]
-        m = None if kv_mask is None else kv_mask[:, :, -n:]
-        keys, scale, last = self.scoring_keys()
-        return attn.received_attention(
-            query[:, :, -n:], keys, m, scaling, softcap, key_scale=scale, last_key=last
-        )
-
     def scoring_keys(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The kept keys as `received_attention` reads them, with no dequantized copy of the
         layer: `(keys, None, None)` in the model's dtype, or for an INT8 store `(int8 keys,
@@ -332,13 +280,6 @@ class EvictingLayer(DynamicLayer):
         if self.quantized:
             return self.keys, self.key_scale, None
         return self.keys, None, None
-
-    def _attention_stats(self, query, kv_mask, scaling, softcap):
-        policy = self.shared.policy
-        if policy.attention_queries is None and not policy.tracks_observed:
-            return None
-        # While decoding there is one query: every selection is that query.
-        return self._received_from(policy.attention_queries, policy.window, query, kv_mask, scaling, softcap)
 
     def _set_scores(self, scores: torch.Tensor) -> None:
         self.scores = checked_scores(self.shared.policy, scores, self.positions.shape)
@@ -356,21 +297,9 @@ class EvictingLayer(DynamicLayer):
             self.num_new, self.hidden, self._live = 0, None, None
             return
         if self.shared.record:
-            self._record(query, kv_mask, scaling, softcap)
-        att = self._attention_stats(query, kv_mask, scaling, softcap)
+            inputs.record(self, query, kv_mask, scaling, softcap)
+        att = inputs.attention_stats(self, query, kv_mask, scaling, softcap)
         self._score_and_evict(phase, query, att)
-
-    def _record(self, query, kv_mask, scaling, softcap) -> None:
-        """Keep what any policy could ask for, so `SparseKVCache.fork` can compress later."""
-        rec = self.recorded
-        for which in self.shared.record:
-            att = self._received_from(which, self.shared.record_window, query, kv_mask, scaling, softcap)
-            if which == "all" and which in rec:
-                att[..., : rec[which].shape[-1]] += rec[which]
-            rec[which] = att
-        if self.hidden is not None:
-            h = rec.get("hidden")
-            rec["hidden"] = self.hidden if h is None else torch.cat([h, self.hidden], dim=1)
 
     def load_from(self, src: EvictingLayer) -> None:
         """Start from `src`'s recorded prefill: score every entry as one prefill step would
@@ -406,7 +335,7 @@ class EvictingLayer(DynamicLayer):
             if self.observed is not None:
                 grown[..., : self.observed.shape[-1]] = self.observed
             self.observed = grown + att
-        self._set_scores(policy.score(self._context(phase, query, att)))
+        self._set_scores(policy.score(inputs.score_context(self, phase, query, att)))
         self.num_new, self.hidden, self._live = 0, None, None
         self._evict_after(phase)
 
@@ -428,7 +357,7 @@ class EvictingLayer(DynamicLayer):
     def rerank(self) -> None:
         """Global re-rank: rescore every kept entry (with the attention observed since the last
         re-rank), evict down to capacity, and start a new observation period."""
-        self._set_scores(self.shared.policy.score(self._context("rerank")))
+        self._set_scores(self.shared.policy.score(inputs.score_context(self, "rerank")))
         self.evict(self.capacity())
         if self.observed is not None:
             self.observed = torch.zeros_like(self.observed)

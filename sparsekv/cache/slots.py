@@ -30,6 +30,20 @@ def step_room(config: EvictionConfig) -> int:
     return max(config.prefill_chunk or 0, config.evict_slack + 1)
 
 
+def overflow_message(
+    config: EvictionConfig, layer_idx: int, slots: int, seen: int, need: int, q: int = 1
+) -> str:
+    """The error of a step that needs `need` slots (`q` of them new) where a layer has `slots`."""
+    return (
+        f"layout='static': layer {layer_idx} has {slots} slots per KV head "
+        f"but this step needs {need} ({need - q} kept + {q} new, after {seen} tokens). "
+        f"A prefill chunk must fit in the free room: set prefill_chunk <= {step_room(config)} "
+        f"(static_slack={config.static_slack}, "
+        f"evict_slack={config.evict_slack}), or raise static_slack; a sequence must not outgrow "
+        f"max_length={config.max_length}"
+    )
+
+
 def slot_count(config: EvictionConfig, fraction: float, evicts: bool = True) -> int:
     """Slots per KV head of a budgeted layer with schedule weight `fraction`."""
     if not evicts:

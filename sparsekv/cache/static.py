@@ -49,18 +49,18 @@ from typing import Any
 import torch
 
 import sparsekv.cache.attention as attn
-from sparsekv.cache.int8 import dequantize, quantize
+import sparsekv.cache.policy_inputs as inputs
+from sparsekv.cache.int8 import dequantize, dequantize_with, quantize
 from sparsekv.cache.layer import EvictingLayer
 from sparsekv.cache.slots import (
-    ENTRY_NAMES,
     KV_NAMES,
     Entry,
     SlotBuffers,
     flat_rows,
     identity_slots,
+    overflow_message,
     slot_count,
     static_address,
-    step_room,
 )
 from sparsekv.policies.base import Policy, checked_scores
 
@@ -137,7 +137,8 @@ class StaticEvictingLayer(EvictingLayer):
         if self._slots.changed:
             self._refresh()
         if self._full:
-            raise ValueError(self._overflow_message(self._slots.length() + 1))
+            cfg, need = self.shared.config, self._slots.length() + 1
+            raise ValueError(overflow_message(cfg, self.layer_idx, self.slots, self.seen, need))
         return self._decode(key_states, value_states)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -151,7 +152,8 @@ class StaticEvictingLayer(EvictingLayer):
         b, h, q, _ = key_states.shape
         s, n = self._slots, self._slots.length()
         if n + q > s.slots:
-            raise ValueError(self._overflow_message(n + q, q))
+            cfg = self.shared.config
+            raise ValueError(overflow_message(cfg, self.layer_idx, s.slots, self.seen, n + q, q))
         if self.quantized:
             quantize, dequantize = self.codec
             keys = torch.cat([dequantize(self.keys, self.key_scale), key_states], dim=-2)
@@ -222,12 +224,11 @@ class StaticEvictingLayer(EvictingLayer):
     def dequantized_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All slots of the INT8 decode step in flight, dequantized, with the step's own entry at
         full precision: for an attention that cannot read int8 (eager, dropout, sinks)."""
-        dequantize, buf = self.codec[1], self._slots.buf
-        new_k, new_v = self._new_kv
-        at = self._phys[..., None]
-        keys = dequantize(buf["keys"], buf["key_scale"]).scatter_(2, at.expand(new_k.shape), new_k)
-        values = dequantize(buf["values"], buf["value_scale"]).scatter_(2, at.expand(new_v.shape), new_v)
-        return keys, values
+        buf, (new_k, new_v) = self._slots.buf, self._new_kv
+        return (
+            dequantize_with(buf["keys"], buf["key_scale"], new_k, self._phys),
+            dequantize_with(buf["values"], buf["value_scale"], new_v, self._phys),
+        )
 
     def query_offset(self) -> torch.Tensor | None:
         """Tokens seen, as a 0-d device tensor (what transformers' mask preparation reads; a
@@ -319,17 +320,6 @@ class StaticEvictingLayer(EvictingLayer):
         self._take_at.zero_()
         self._mapped = True
 
-    def _overflow_message(self, need: int, q: int = 1) -> str:
-        cfg = self.shared.config
-        return (
-            f"layout='static': layer {self.layer_idx} has {self._slots.slots} slots per KV head "
-            f"but this step needs {need} ({need - q} kept + {q} new, after {self.seen} tokens). "
-            f"A prefill chunk must fit in the free room: set prefill_chunk <= {step_room(cfg)} "
-            f"(static_slack={cfg.static_slack}, "
-            f"evict_slack={cfg.evict_slack}), or raise static_slack; a sequence must not outgrow "
-            f"max_length={cfg.max_length}"
-        )
-
     # ---- attention and scoring --------------------------------------------------------------
     def note_padding(self, padding: torch.Tensor | None) -> None:
         """As `EvictingLayer.note_padding`; a single-token step that takes the decode path (a
@@ -373,7 +363,7 @@ class StaticEvictingLayer(EvictingLayer):
         policy = self.shared.policy
         if not self._scores_arrivals() or "scores" not in self._slots.buf:
             return False
-        hidden = self.hidden_states() if policy.needs_hidden_states else None
+        hidden = inputs.hidden_states(self) if policy.needs_hidden_states else None
         if policy.needs_hidden_states and hidden is None:
             return False
         buf = self._slots.buf
@@ -457,13 +447,3 @@ def slots_per_layer(cache: Any) -> dict[int, int]:
         if isinstance(cache.layers[i], StaticEvictingLayer)
     }
 
-
-__all__ = [
-    "ENTRY_NAMES",
-    "SlotBuffers",
-    "StaticEvictingLayer",
-    "finish_steps",
-    "slot_count",
-    "slots_per_layer",
-    "step_room",
-]
