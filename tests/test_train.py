@@ -157,7 +157,11 @@ def test_smoke_run_saves_the_resolved_config_and_a_loadable_adapter(smoke_run):
     assert adapter.head.num_parameters() == TINY_HEAD_PARAMETERS
     assert adapter.config.layers == [0, 1, 2, 3] and adapter.config.base_model_id == "tiny:llama"
     assert adapter.config.training_config["config"]["max_steps"] == 4
-    assert adapter.config.training_config["result"]["last_metrics"]["step"] == 4
+    result = adapter.config.training_config["result"]
+    assert result["last_metrics"]["step"] == 4
+    # what it trained on: the blocks of 128 tokens and their real (unpadded) tokens
+    assert result["training_blocks"] >= 1
+    assert 0 < result["training_tokens"] <= 128 * result["training_blocks"]
     # final/ holds the weights of the last step
     last = ScorerAdapter.from_pretrained(out / "step-0004" / "adapter")
     for k, v in adapter.head.state_dict().items():

@@ -337,6 +337,9 @@ class Trainer:
             "base_parameters": base,
             "final": str(cfg.run_dir / "final"),
             "distributed": self.distributed,
+            # what the head was trained on (a store may have grown since): blocks and real tokens
+            "training_blocks": len(self.data),
+            "training_tokens": int(self.data.attention_mask.sum()),
             "last_metrics": self.metrics.last() if acc.is_main_process else {},
         }
         if acc.is_main_process:
@@ -348,7 +351,7 @@ class Trainer:
                 "result": {
                     k: summary[k]
                     for k in ("step", "trainable_parameters", "base_parameters", "distributed")
-                    + ("last_metrics",)
+                    + ("training_blocks", "training_tokens", "last_metrics")
                 },
             }
             lora = None
