@@ -15,6 +15,10 @@ Python's standard library docstrings, one question each (`prepare.build_prompts`
 - the KV blocks a request holds: ceil((K + question) / block) in the full-attention group, so the
   context takes ceil(K / block) of them; a second question about the same context loads only the
   context's last, partial block (the full ones come from the prefix cache);
+- the OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server` with the
+  connector, as docs/serving.md starts it): greedy answers over HTTP (`/v1/completions`, the
+  context named in `kv_transfer_params`) equal sparsekv's own on `SPARSEKV_VLLM_SERVER_COUNT`
+  (default 3) budget-0.3 contexts, and `usage.prompt_tokens` = K + question;
 - the patch refuses another vLLM version by name; the reader refuses per-layer budgets.
 """
 
@@ -24,8 +28,13 @@ import json
 import math
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,6 +47,12 @@ REPO = Path(__file__).resolve().parents[1]
 COUNT = int(os.environ.get("SPARSEKV_VLLM_COUNT", "20"))
 LENGTH = int(os.environ.get("SPARSEKV_VLLM_LENGTH", "2048"))
 MAX_NEW = 8
+SERVER_COUNT = int(os.environ.get("SPARSEKV_VLLM_SERVER_COUNT", "3"))
+SERVER_START_S = float(os.environ.get("SPARSEKV_VLLM_SERVER_START_S", "600"))
+# eager by default: the compiled model's warm-up costs minutes of a CI step on a 2-core CPU
+EAGER = os.environ.get("SPARSEKV_VLLM_EAGER", "1") == "1"
+# what the offline engine and the server are given (the engine sets them only where unset)
+VLLM_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +77,16 @@ def manifest(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def engine(manifest, tmp_path_factory):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    for name, value in VLLM_ENV.items():
+        os.environ.setdefault(name, value)
     from vllm import LLM
 
     from sparsekv.serving.vllm import engine_kwargs
 
     stats = tmp_path_factory.mktemp("stats") / "served.jsonl"
-    # eager by default: the compiled model's warm-up costs minutes of a CI step on a 2-core CPU
-    eager = os.environ.get("SPARSEKV_VLLM_EAGER", "1") == "1"
     llm = LLM(
         model=manifest["model"], dtype=manifest["dtype"], max_model_len=LENGTH + 256, seed=0,
-        enforce_eager=eager, **engine_kwargs(stats_path=stats),
+        enforce_eager=EAGER, **engine_kwargs(stats_path=stats),
     )
     yield llm, stats
     del llm
@@ -105,6 +118,114 @@ def _report(key: str, value) -> None:
     data = json.loads(p.read_text()) if p.is_file() else {}
     data[key] = value
     p.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_tail(log: Path, lines: int = 40) -> str:
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+@pytest.fixture
+def openai_server(manifest, tmp_path):
+    """The OpenAI-compatible server as docs/serving.md starts it (the module, not the `vllm`
+    console script, which fails on vllm-cpu), on a free port of 127.0.0.1, in its own process
+    group; yields its base URL once `/health` answers (`SPARSEKV_VLLM_SERVER_START_S`, default
+    600 s), and always ends the group. The test using it does not use `engine`, and runs before
+    the tests that do, so the two engines never hold memory at the same time."""
+    port = _free_port()
+    env = dict(os.environ, **{k: os.environ.get(k, v) for k, v in VLLM_ENV.items()})
+    # the engine fixture's in-process engine core, if it ran first, must not leak into the server
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    kv_config = {"kv_connector": "SparseKVConnector", "kv_role": "kv_consumer",
+                 "kv_connector_module_path": "sparsekv.serving.vllm.connector"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", manifest["model"], "--dtype", manifest["dtype"], "--enable-prefix-caching",
+           "--max-model-len", str(LENGTH + 256), "--host", "127.0.0.1", "--port", str(port),
+           "--seed", "0", "--kv-transfer-config", json.dumps(kv_config)]
+    if EAGER:
+        cmd.append("--enforce-eager")
+    log = tmp_path / "server.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited ({proc.returncode}) before /health answered; "
+                            f"its last lines:\n{_log_tail(log)}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() - t0 > SERVER_START_S:
+                pytest.fail(f"/health did not answer in {SERVER_START_S:.0f} s; the server's "
+                            f"last lines:\n{_log_tail(log)}")
+            time.sleep(2)
+        print(f"server up in {time.monotonic() - t0:.0f} s")
+        yield url, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
+        try:  # children the server left behind (the engine core)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_openai_server_answers_equal_sparsekv_own(openai_server, manifest):
+    """POST /v1/completions with each context's placeholder prompt + question and the context in
+    `kv_transfer_params` (the client of docs/serving.md): the greedy token ids equal
+    `ctx.generate`'s on every one of `SPARSEKV_VLLM_SERVER_COUNT` budget-0.3 contexts. Without
+    `kv_transfer_params` the model reads placeholder tokens and misses the pass key."""
+    from sparsekv.serving.vllm.context import load_context
+
+    url, log = openai_server
+    prompts = manifest["prompts"][:SERVER_COUNT]
+    assert prompts
+    same, rows = 0, []
+    for p in prompts:
+        rec = p["contexts"]["0.3"]
+        ctx = load_context(rec["path"])
+        q = p["questions"][0]["ids"]
+        body = {"model": manifest["model"], "prompt": ctx.prompt_ids(q), "max_tokens": MAX_NEW,
+                "temperature": 0, "return_token_ids": True,
+                "kv_transfer_params": {"sparsekv_context": str(ctx.path)}}
+        try:
+            out = _post(url + "/v1/completions", body)
+        except urllib.error.HTTPError as e:
+            pytest.fail(f"{e}: {e.read().decode(errors='replace')}\n{_log_tail(log)}")
+        got = out["choices"][0]["token_ids"]
+        same += got == rec["sparsekv_answers"][0]
+        rows.append((got, rec["sparsekv_answers"][0], out["usage"]["prompt_tokens"],
+                     ctx.num_slots + len(q)))
+    print(f"server, budget 0.3: {same}/{len(prompts)} answers equal ctx.generate's")
+    _report("server_budget_0.3_equal_sparsekv", [same, len(prompts)])
+    for got, own, prompt_tokens, expected in rows:
+        assert got == own, rows
+        assert prompt_tokens == expected, rows
 
 
 def test_budget_1_answers_equal_vllm_on_the_full_prompt(engine, manifest):
