@@ -17,8 +17,15 @@ Python's standard library docstrings, one question each (`prepare.build_prompts`
   context's last, partial block (the full ones come from the prefix cache);
 - the OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server` with the
   connector, as docs/serving.md starts it): greedy answers over HTTP (`/v1/completions`, the
-  context named in `kv_transfer_params`) equal sparsekv's own on `SPARSEKV_VLLM_SERVER_COUNT`
-  (default 3) budget-0.3 contexts, and `usage.prompt_tokens` = K + question;
+  context named in `kv_transfer_params`, its `cache_salt` sent) equal sparsekv's own on
+  `SPARSEKV_VLLM_SERVER_COUNT` (default 3) budget-0.3 contexts, after a request that sent the
+  first one's placeholder prompt without naming it, and `usage.prompt_tokens` = K + question;
+- the prefix cache cannot be poisoned: after a request that sends a context's placeholder prompt
+  without naming the context (vLLM computes and caches the KV of the placeholder tokens), the
+  proper request (`ask_many`, under the context's `cache_salt`) loads all K slots and answers as
+  sparsekv does; a request that sends the salt without naming the context is moved off it, a
+  request that names the context without the salt is salted by the connector, a client's own
+  salt after the context's keeps its requests apart;
 - the patch refuses another vLLM version by name; the reader refuses per-layer budgets.
 """
 
@@ -197,14 +204,26 @@ def openai_server(manifest, tmp_path):
 
 def test_openai_server_answers_equal_sparsekv_own(openai_server, manifest):
     """POST /v1/completions with each context's placeholder prompt + question and the context in
-    `kv_transfer_params` (the client of docs/serving.md): the greedy token ids equal
-    `ctx.generate`'s on every one of `SPARSEKV_VLLM_SERVER_COUNT` budget-0.3 contexts. Without
-    `kv_transfer_params` the model reads placeholder tokens and misses the pass key."""
+    `kv_transfer_params` and its `cache_salt` (the client of docs/serving.md): the greedy token
+    ids equal `ctx.generate`'s on every one of `SPARSEKV_VLLM_SERVER_COUNT` budget-0.3 contexts.
+    Without `kv_transfer_params` the model reads placeholder tokens and misses the pass key: the
+    first context is first asked so (a careless client), and the blocks vLLM computes then must
+    not reach the proper request (they are not hashed under the context's salt)."""
     from sparsekv.serving.vllm.context import load_context
 
     url, log = openai_server
     prompts = manifest["prompts"][:SERVER_COUNT]
     assert prompts
+    first = load_context(prompts[0]["contexts"]["0.3"]["path"])
+    careless = {"model": manifest["model"], "max_tokens": MAX_NEW, "temperature": 0,
+                "return_token_ids": True,
+                "prompt": first.prompt_ids(prompts[0]["questions"][0]["ids"])}
+    try:
+        poison = _post(url + "/v1/completions", careless)["choices"][0]["token_ids"]
+    except urllib.error.HTTPError as e:
+        pytest.fail(f"{e}: {e.read().decode(errors='replace')}\n{_log_tail(log)}")
+    print(f"server, no kv_transfer_params: {poison} (sparsekv: "
+          f"{prompts[0]['contexts']['0.3']['sparsekv_answers'][0]})")
     same, rows = 0, []
     for p in prompts:
         rec = p["contexts"]["0.3"]
@@ -212,7 +231,8 @@ def test_openai_server_answers_equal_sparsekv_own(openai_server, manifest):
         q = p["questions"][0]["ids"]
         body = {"model": manifest["model"], "prompt": ctx.prompt_ids(q), "max_tokens": MAX_NEW,
                 "temperature": 0, "return_token_ids": True,
-                "kv_transfer_params": {"sparsekv_context": str(ctx.path)}}
+                "kv_transfer_params": {"sparsekv_context": str(ctx.path)},
+                "cache_salt": ctx.cache_salt}
         try:
             out = _post(url + "/v1/completions", body)
         except urllib.error.HTTPError as e:
@@ -288,6 +308,91 @@ def test_blocks_held_are_ceil_k_over_block_and_prefix_cache_shares_them(engine, 
     assert rows[1]["loaded_slots"] == k - (k // bs) * bs
     assert first.num_cached_tokens is None or second.num_cached_tokens >= (k // bs) * bs
     assert list(first.outputs[0].token_ids)  # answered
+
+
+def _fresh_copy(src: str, dst: Path) -> str:
+    """A copy of a saved context whose files differ by one byte (a newline after the JSON): the
+    same KV (and so sparsekv's answers), another digest, so other placeholder ids and another
+    salt, which no request before this test has put in vLLM's prefix cache."""
+    shutil.copytree(src, dst)
+    meta = dst / "context.json"
+    meta.write_text(meta.read_text() + "\n")
+    return str(dst)
+
+
+def _rows(stats: Path, path: str, event: str) -> list[dict]:
+    rows = [json.loads(line) for line in stats.read_text().splitlines()]
+    return [r for r in rows if r["event"] == event and r.get("path") == path]
+
+
+def _naming(path: str, **kw):
+    """Greedy params that name the context, as a client builds them by hand."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                          extra_args={"kv_transfer_params": {"sparsekv_context": path}}, **kw)
+
+
+def test_a_request_without_the_context_does_not_poison_its_prefix_cache(
+    engine, manifest, tmp_path
+):
+    """A careless client sends a context's placeholder prompt and a question without
+    `kv_transfer_params`: vLLM computes the KV of the placeholder tokens themselves and caches
+    its full blocks. The proper request next (`ask_many`: the context named, its `cache_salt`)
+    must not read them: the connector loads all K slots, and the answer is sparsekv's own."""
+    from sparsekv.serving.vllm import ask_many, load_context
+
+    llm, stats = engine
+    p = manifest["prompts"][3 % len(manifest["prompts"])]
+    rec = p["contexts"]["0.3"]
+    path = _fresh_copy(rec["path"], tmp_path / "ctx")
+    ctx = load_context(path)
+    q = p["questions"][0]["ids"]
+    stats.write_text("")
+    careless = llm.generate([{"prompt_token_ids": ctx.prompt_ids(q)}], _greedy())[0]
+    proper = ask_many(llm, path, [q], _greedy())[0]
+    own = rec["sparsekv_answers"][0]
+    got = list(proper.outputs[0].token_ids)
+    (alloc,) = _rows(stats, str(ctx.path), "alloc")
+    print(f"poisoning attempt: careless answer {list(careless.outputs[0].token_ids)}, proper "
+          f"{got}, sparsekv {own}; the proper request loaded {alloc['loaded_slots']} of "
+          f"{ctx.num_slots} slots (prefix-cache hit {proper.num_cached_tokens})")
+    assert got == own, (got, own, alloc)
+    assert alloc["loaded_slots"] == ctx.num_slots, alloc
+
+
+def test_the_connector_keeps_context_salts_for_the_requests_it_serves(engine, manifest, tmp_path):
+    """The salt is the connector's to keep. A client that sends a context's placeholder prompt
+    and its `cache_salt` without naming the context: the connector renames the salt
+    ("unserved-" + it), so the proper request after it still loads all K slots and answers as
+    sparsekv does. A client that names the context without the salt (an older client): the
+    connector salts it, so it shares the proper request's blocks and answers the same. A client's
+    own salt after the context's (`cache_salt + "-tenant-a"`) is kept: its requests load the
+    context themselves, apart from the others."""
+    from sparsekv.serving.vllm import ask_many, load_context
+
+    llm, stats = engine
+    p = manifest["prompts"][4 % len(manifest["prompts"])]
+    rec = p["contexts"]["0.3"]
+    path = _fresh_copy(rec["path"], tmp_path / "ctx")
+    ctx = load_context(path)
+    k, q, own = ctx.num_slots, p["questions"][0]["ids"], rec["sparsekv_answers"][0]
+    stats.write_text("")
+    llm.generate([ctx.prompt(q)], _greedy())  # the salt, no kv_transfer_params
+    proper = ask_many(llm, path, [q], _greedy())[0]
+    older = llm.generate([{"prompt_token_ids": ctx.prompt_ids(q)}], _naming(path))[0]
+    tenant = llm.generate([{"prompt_token_ids": ctx.prompt_ids(q),
+                            "cache_salt": ctx.cache_salt + "-tenant-a"}], _naming(path))[0]
+    answers = [list(o.outputs[0].token_ids) for o in (proper, older, tenant)]
+    loaded = [r["loaded_slots"] for r in _rows(stats, str(ctx.path), "alloc")]
+    rows = [json.loads(line) for line in stats.read_text().splitlines()]
+    salts = [(r["given"], r["salt"]) for r in rows if r["event"] == "salt"]
+    bs = _rows(stats, str(ctx.path), "alloc")[0]["block_size"]
+    print(f"salt without the context, then proper / older / tenant: answers {answers} "
+          f"(sparsekv {own}), loaded {loaded} of {k} slots; salts set {salts}")
+    assert answers == [own] * 3, (answers, own)
+    assert loaded == [k, k - (k // bs) * bs, k], loaded
+    assert salts == [(ctx.cache_salt, "unserved-" + ctx.cache_salt), (None, ctx.cache_salt)]
 
 
 def test_patch_refuses_another_vllm_version_by_name(monkeypatch):

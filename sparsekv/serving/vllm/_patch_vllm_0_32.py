@@ -13,6 +13,11 @@ of its own and does nothing for requests without a context.
 
 Not patched (and checked not to be in use): the V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`),
 M-RoPE models (their positions live in `mrope_positions`).
+
+Also written for vLLM 0.32.0, without patching anything: `resalt`, which gives a request that has
+just arrived (`KVConnectorBase_V1.on_new_request`) another `cache_salt` and recomputes its block
+hashes, as vLLM's scheduler itself does for a streaming session's new input (it truncates
+`Request.block_hashes` and calls `Request.update_block_hashes()`).
 """
 
 from __future__ import annotations
@@ -88,3 +93,13 @@ def check_runner(vllm_config) -> None:
         raise RuntimeError(
             "sparsekv.serving.vllm patches the V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0"
         )
+
+
+def resalt(request, salt: str | None) -> None:
+    """Give `request` (a `vllm.v1.request.Request` the scheduler has not scheduled yet) the
+    prefix-cache salt `salt`: its block hashes were computed with its old salt when it was built
+    (the salt is hashed into the first block, and every later hash chains on it), so they are
+    recomputed from scratch under the new one."""
+    request.cache_salt = salt
+    del request.block_hashes[:]
+    request.update_block_hashes()

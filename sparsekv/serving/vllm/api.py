@@ -53,10 +53,12 @@ def _question_ids(tokenizer, question: Any) -> list[int]:
 
 
 def prompts_for(ctx_path: str | os.PathLike, question_ids: Sequence[Sequence[int]]):
-    """vLLM token prompts (`{"prompt_token_ids": [...]}`) for questions (token ids) about the
-    context saved in `ctx_path`: its placeholders, then each question."""
+    """vLLM token prompts (`{"prompt_token_ids": [...], "cache_salt": ...}`) for questions (token
+    ids) about the context saved in `ctx_path`: its placeholders, then each question, under the
+    context's `cache_salt` (the request must also name the context in its `kv_transfer_params`,
+    as `ask_many` does)."""
     ctx = load_context(ctx_path)
-    return [{"prompt_token_ids": ctx.prompt_ids(q)} for q in question_ids]
+    return [ctx.prompt(q) for q in question_ids]
 
 
 def ask_many(
@@ -72,7 +74,9 @@ def ask_many(
 
     `llm` must run with `engine_kwargs()` (the connector). `sampling_params`: one
     `SamplingParams` for all, a list of one per question, or None (vLLM's defaults); they are
-    copied with the context named in their `extra_args["kv_transfer_params"]`."""
+    copied with the context named in their `extra_args["kv_transfer_params"]`. Every prompt
+    carries the context's `cache_salt` (`SavedContext.prompt`), so vLLM's prefix cache never
+    gives these requests blocks that a request without the context computed."""
     from vllm import SamplingParams
 
     from sparsekv.serving.vllm.connector import PARAM
@@ -107,5 +111,5 @@ def ask_many(
         }
         sp.extra_args = extra
         params.append(sp)
-    prompts = [{"prompt_token_ids": ctx.prompt_ids(q)} for q in ids]
+    prompts = [ctx.prompt(q) for q in ids]
     return llm.generate(prompts, params, **generate_kwargs)

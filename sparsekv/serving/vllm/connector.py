@@ -10,8 +10,18 @@ and tells the workers, in each step's metadata, which slots to fill and every li
 position offset N - K. Worker side: `start_load_kv` writes the context's per-layer keys and
 values into those slots through the attention backend's own cache write (`do_kv_cache_update`),
 before the step's forward; `_patch_vllm_0_32` makes RoPE read true positions. Once loaded, the
-context's full blocks are in the prefix cache under the placeholder ids, so the next question about
-the same context loads only its last, partial block.
+context's full blocks are in the prefix cache under the placeholder ids and the context's
+`cache_salt`, so the next question about the same context loads only its last, partial block.
+
+The salt keeps the prefix cache honest. A request that sends a context's placeholder ids without
+naming the context gets the KV of the placeholder tokens themselves computed, and vLLM caches
+those blocks; were they hashed like the context's, the next request for the context would take
+them from the prefix cache and the connector would load only the rest. So every request the
+connector serves from a context is hashed under that context's salt (`SavedContext.cache_salt`, or
+it followed by "-" and a client's own salt), which `ask_many`, `prompts_for` and the context's CLI
+send; `on_new_request` gives it to a request that names the context without it (a client's own
+salt is kept after it), and moves a salt of that form off a request that names no context, so no
+block hashed under a context's salt holds KV that the connector did not load from that context.
 
 Enable it with `sparsekv.serving.vllm.kv_transfer_config()` (what `LLM(kv_transfer_config=...)`
 and `vllm serve --kv-transfer-config` take).
@@ -39,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from sparsekv.serving.vllm.context import load_context
+from sparsekv.serving.vllm.context import SALT_PREFIX, load_context
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,6 +70,7 @@ __all__ = [
 logger = logging.getLogger("sparsekv.serving.vllm")
 
 PARAM = "sparsekv_context"  # the kv_transfer_params key naming the saved context's folder
+UNSERVED = "unserved-"  # put before a context-form salt on a request that names no context
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -96,11 +107,59 @@ class _SparseKVConnectorBase(KVConnectorBase_V1):
         self._pending: dict[str, tuple[str, int, int]] = {}  # req -> (path, start, K)
         self._paths: dict[str, str] = {}
         self._looked_up: set[str] = set()
+        self._warned: set[str] = set()  # salt warnings logged (once per context or salt)
         # worker side
         self._slots: dict[tuple[str, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._group_of: dict[str, int] | None = None
 
     # ================================================================ scheduler side
+    def on_new_request(self, request: Request) -> None:
+        """Before vLLM looks the request up in its prefix cache: a request that names a context
+        is hashed under the context's `cache_salt` (a request without it gets it; one with
+        another salt gets `cache_salt + "-" + its salt`, so tenants that salt their requests stay
+        apart), and a request that names no context but carries a salt of a context's form gets
+        `UNSERVED` before it (the KV vLLM computes for it is not the context's). Both are logged
+        once per context or salt, naming the fix; the request is then served as usual."""
+        given = getattr(request, "cache_salt", None)
+        path = (getattr(request, "kv_transfer_params", None) or {}).get(PARAM)
+        if path:
+            try:
+                ctx = load_context(path)
+            except Exception:  # noqa: BLE001 - get_num_new_matched_tokens refuses it, by name
+                return
+            if ctx.salts(given):
+                return
+            salt = ctx.cache_salt if not given else f"{ctx.cache_salt}-{given}"
+            if str(ctx.path) not in self._warned:
+                self._warned.add(str(ctx.path))
+                logger.warning(
+                    "sparsekv: request %s names the compressed context %s without its cache_salt "
+                    "(got %r); the connector salts it itself (%r), so that it never reads "
+                    "prefix-cache blocks a request without the context computed. Send "
+                    "cache_salt=%r with the request (SavedContext.prompt, prompts_for and ask_many "
+                    "do; so does the JSON of python -m sparsekv.serving.vllm.context)",
+                    request.request_id, ctx.path, given, salt, ctx.cache_salt,
+                )
+        elif given and given.startswith(SALT_PREFIX):
+            salt = UNSERVED + given
+            if given not in self._warned:
+                self._warned.add(given)
+                logger.warning(
+                    "sparsekv: request %s carries the cache_salt %r of a compressed context but "
+                    "names no context in its kv_transfer_params, so vLLM computes the KV of the "
+                    "placeholder tokens themselves; the connector renames its salt to %r, so those "
+                    "blocks are never served for the context. Name the context: "
+                    "kv_transfer_params={%r: CONTEXT_DIR}",
+                    request.request_id, given, salt, PARAM,
+                )
+        else:
+            return
+        _patch.resalt(request, salt)
+        self._record(
+            {"event": "salt", "req_id": request.request_id, "path": path, "given": given,
+             "salt": salt}
+        )
+
     def _context_of(self, request: Request):
         params = getattr(request, "kv_transfer_params", None) or {}
         path = params.get(PARAM)
@@ -113,6 +172,16 @@ class _SparseKVConnectorBase(KVConnectorBase_V1):
                 f"request {request.request_id} names the compressed context {path} but its prompt "
                 f"does not start with the context's {ctx.num_slots} placeholder ids followed by a "
                 "question; build it with SavedContext.prompt_ids(question_ids) (ask_many does)"
+            )
+        if not ctx.salts(getattr(request, "cache_salt", None)):
+            # on_new_request salts every request that names a context; a request that reaches
+            # here without the salt came by a path of vLLM that skipped it
+            raise RuntimeError(
+                f"request {request.request_id} names the compressed context {path} but is not "
+                f"hashed under its cache_salt {ctx.cache_salt!r} (got {request.cache_salt!r}), so "
+                "it could read prefix-cache blocks the connector did not load; "
+                "SparseKVConnector.on_new_request was not called for it (a vLLM other than "
+                f"{_patch.VLLM_VERSION}?)"
             )
         return ctx
 

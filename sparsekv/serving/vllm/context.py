@@ -7,7 +7,11 @@ What vLLM sees of a context of N tokens: its first K prompt tokens, placeholder 
 context (a seeded draw from a hash of the saved files, so vLLM's prefix cache shares the context's
 full blocks across all questions about it and never with another context or a real prompt), whose
 KV the connector writes into the request's blocks instead of computing it. K is the largest number
-of entries a budgeted layer kept. Per layer, slot i of KV head h holds:
+of entries a budgeted layer kept. Every request about the context carries its `cache_salt`
+("sparsekv-" + the digest), which vLLM hashes into the first block of the request: the blocks of
+a request that sends the placeholder ids without naming the context (vLLM then computes the KV of
+the placeholder tokens themselves) are hashed without it, so a request that names the context
+never reads them from the prefix cache. Per layer, slot i of KV head h holds:
 
 - budgeted layers (sparsekv's evicting layers): the layer's i-th kept entry of head h (keys are
   stored after RoPE at their true positions, so per-layer and per-KV-head kept sets survive; in
@@ -34,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PLACEHOLDER_RANGE", "SavedContext", "load_context"]
+__all__ = ["PLACEHOLDER_RANGE", "SALT_PREFIX", "SavedContext", "load_context"]
 
 TENSORS_FILE = "context.safetensors"
 META_FILE = "context.json"
@@ -42,6 +46,9 @@ FORMAT_VERSION = 1  # the CompressedContext format this reader was written for
 # placeholder ids are drawn from this range (any valid id will do: they are never embedded, only
 # hashed by the prefix cache; every common vocabulary has at least 32000 ids)
 PLACEHOLDER_RANGE = (100, 30_000)
+# every context's cache_salt starts with it (the connector keeps salts of this form for the
+# requests it serves from that context)
+SALT_PREFIX = "sparsekv-"
 
 
 def _file_digest(path: Path) -> str:
@@ -56,6 +63,7 @@ class SavedContext:
     """The placeholder prompt and per-layer KV slots of a saved compressed context.
 
     `num_tokens` (N), `num_slots` (K), `position_offset` (N - K), `placeholder_ids` (K ids),
+    `cache_salt` (the prefix-cache salt every request about the context carries),
     `layer_slots(i)` -> (keys, values) `(K, kv_heads, head_dim)` for cache layer i."""
 
     def __init__(self, path: str | os.PathLike):
@@ -101,6 +109,9 @@ class SavedContext:
             )
         self.position_offset = self.num_tokens - self.num_slots
         self.placeholder_ids = self._placeholders()
+        # vLLM's `cache_salt`, hashed into the first block of a request: 73 characters, within
+        # the OpenAI server's limits (at most 128, no '@', '/', backslash or NUL)
+        self.cache_salt = SALT_PREFIX + self.digest
 
     # ---- the prompt ---------------------------------------------------------------------------
     def _placeholders(self) -> list[int]:
@@ -114,6 +125,17 @@ class SavedContext:
         if not q:
             raise ValueError("question_ids is empty: vLLM needs at least one token to compute")
         return self.placeholder_ids + q
+
+    def prompt(self, question_ids: list[int]) -> dict[str, Any]:
+        """The vLLM token prompt of a question: `{"prompt_token_ids": prompt_ids(question_ids),
+        "cache_salt": cache_salt}` (what `LLM.generate` takes; the request must also name the
+        context in its `kv_transfer_params`)."""
+        return {"prompt_token_ids": self.prompt_ids(question_ids), "cache_salt": self.cache_salt}
+
+    def salts(self, salt: str | None) -> bool:
+        """Whether a request's `cache_salt` is this context's: `cache_salt` itself, or
+        `cache_salt + "-" + anything` (a client's own salt after it, e.g. one per tenant)."""
+        return bool(salt) and (salt == self.cache_salt or salt.startswith(self.cache_salt + "-"))
 
     def matches(self, prompt_ids: list[int]) -> bool:
         """Whether a prompt starts with this context's placeholders (and has a question)."""
@@ -197,8 +219,9 @@ def load_context(path: str | os.PathLike, keep: int = 64) -> SavedContext:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m sparsekv.serving.vllm.context CTX [--question-ids 1 2 3]`: the JSON a client of
-    vLLM's OpenAI-compatible server needs: the prompt (placeholders, then the question's ids) and
-    the `kv_transfer_params` that name the context."""
+    vLLM's OpenAI-compatible server needs: the prompt (placeholders, then the question's ids), the
+    `kv_transfer_params` that name the context and its `cache_salt` (`prompt`,
+    `kv_transfer_params` and `cache_salt` are fields of the `/v1/completions` body)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
@@ -211,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_slots": ctx.num_slots,
         "prompt": ctx.prompt_ids(args.question_ids) if args.question_ids else ctx.placeholder_ids,
         "kv_transfer_params": {"sparsekv_context": str(ctx.path)},
+        "cache_salt": ctx.cache_salt,
     }
     print(json.dumps(out))
     return 0
