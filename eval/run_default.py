@@ -10,9 +10,9 @@ both protocols, the new head against the heuristics and the peers), writing the 
 Stage 1 trains `configs/train/gemma3-270m-cpu.yaml` (the shipped recipe) into
 `checkpoints/<run>/` (resumes if interrupted: `resume=auto`). Stage 2 runs
 `configs/eval/generalize-4k.yaml` with the shipped head replaced by the new one, on the config's
-seed: by default 2 samples per task at 1,024 tokens and budget 0.3 (at 2,048 tokens the job
-measured 35 min 40 s on 2 idle cores, 27 of them the grid's 504 runs; `--length`, `--budgets`,
-`--samples`, `--seed` give the full grid). The config used is written next to the results as
+seed: by default 2 samples per task at 1,024 tokens and budget 0.3 (measured 23 min 52 s on 2
+idle cores, 6.1 min of them training and ~17.7 min the grid's 504 runs; at 2,048 tokens 35 min
+40 s; `--length`, `--budgets`, `--samples`, `--seed` give the full grid). The config used is written next to the results as
 `pipeline-eval.yaml`; results.jsonl, summary.csv, summary.md and the PNG plots go into `--out`
 (without `--resume` the grid reruns with `--overwrite`: its rows in `--out` are replaced, any
 other rows there kept). Each stage shows a progress bar with an ETA; the estimate printed first
@@ -36,12 +36,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIG = "configs/train/gemma3-270m-cpu.yaml"
 EVAL_CONFIG = "configs/eval/generalize-4k.yaml"
 SHIPPED = "checkpoints/gemma3-270m-sparsekv"
-# Estimates for 2 idle CPU cores, from the default job measured on 2026-12-03 (this project's
-# 2-core VM: 35 min 40 s wall, of which training 8.3 min and the grid's 504 runs at 2,048
-# tokens, budget 0.3, 2 samples 27 min, i.e. 13.5 min per sample), scaled to 4,096 tokens and 3
-# budgets by the formula of `estimate_minutes`.
-TRAIN_MINUTES = 8
-EVAL_MINUTES_PER_SAMPLE_4K_3_BUDGETS = 66
+# Estimates for 2 idle CPU cores, from the default job measured on this project's 2-core VM:
+# 2026-12-04 at 1,024 tokens (23 min 52 s wall: training 6.1 min, the grid's 504 runs at budget
+# 0.3, 2 samples, ~17.7 min, i.e. 8.85 min per sample) and 2026-12-03 at 2,048 tokens (35 min 40
+# s: training 8.3 min, the grid 27 min, 13.5 min per sample). A sample's minutes at one budget
+# are a fixed part (model loading, decoding, the short runs) plus a part growing as
+# length^1.3 (prefill), fitted to those two points; each further budget adds as much again.
+TRAIN_MINUTES = 6
+EVAL_FIXED_MINUTES_PER_SAMPLE = 5.7
+EVAL_PREFILL_MINUTES_PER_SAMPLE_4K = 19.3
 
 
 def run(cmds: list[list[str]]) -> None:
@@ -75,7 +78,8 @@ def eval_config(adapter: str, samples: int, out: str, length: int = 1024,
 
 def estimate_minutes(train: bool, samples: int, length: int, budgets: int) -> float:
     """Minutes on 2 idle cores, from the measured figures above (prefill cost ~ length^1.3)."""
-    per_sample = EVAL_MINUTES_PER_SAMPLE_4K_3_BUDGETS * (length / 4096) ** 1.3 * (1 + budgets) / 4
+    one_budget = EVAL_FIXED_MINUTES_PER_SAMPLE + EVAL_PREFILL_MINUTES_PER_SAMPLE_4K * (length / 4096) ** 1.3
+    per_sample = one_budget * (1 + budgets) / 2
     return (TRAIN_MINUTES if train else 0) + per_sample * samples
 
 
