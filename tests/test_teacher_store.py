@@ -151,6 +151,25 @@ def test_a_store_grows_with_resume(tmp_path, corpus, built):
         assert same_shard(out / ts.shard_name(s), built / ts.shard_name(s))
 
 
+def test_two_workers_build_the_store_one_process_builds(tmp_path, corpus, built, capsys):
+    """--worker 0/2 and 1/2 split the shards (0, 2 and 1); together they equal a one-process
+    build; a worker leaves the other's temporary file alone; a bad --worker is refused."""
+    out = tmp_path / "w"
+    assert build(out, corpus, 10, "--resume", "--worker", "1/2") == 0
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00001.safetensors"]
+    other = out / ".shard-00001.safetensors.x.tmp"
+    other.write_bytes(b"being written by worker 1")
+    assert build(out, corpus, 10, "--resume", "--worker", "0/2") == 0
+    assert other.exists()  # shard 1 is worker 1's: not removed by worker 0
+    assert len(ts.TeacherStore(out)) == 10
+    for s in range(3):
+        assert same_shard(out / ts.shard_name(s), built / ts.shard_name(s))
+    for bad in ("2/2", "1", "a/b", "0/0"):
+        with pytest.raises(SystemExit):
+            build(tmp_path / "bad", corpus, 10, "--worker", bad)
+        assert "--worker" in capsys.readouterr().err
+
+
 def test_resume_with_other_settings_is_refused_by_name(built, corpus, capsys):
     assert build(built, corpus, 10, "--resume", overrides=["target.stat=max"]) == 2
     err = capsys.readouterr().err

@@ -58,10 +58,14 @@ def _write_shard(
         save_file(tensors, str(tmp), metadata=meta)
 
 
-def _remove_leftovers(path: Path) -> int:
-    """Temporary files of shard writes cut short by a kill (atomic_path's `.shard-*.tmp`)."""
+def _remove_leftovers(path: Path, mine: Callable[[int], bool] = lambda s: True) -> int:
+    """Temporary files of shard writes cut short by a kill (atomic_path's `.shard-*.tmp`), of
+    the shards `mine` names (another worker's shard being written is left alone)."""
     n = 0
     for p in path.glob(".shard-*.tmp"):
+        index = p.name.split(".")[1].removeprefix("shard-")
+        if index.isdigit() and not mine(int(index)):
+            continue
         p.unlink(missing_ok=True)
         n += 1
     return n
@@ -78,9 +82,15 @@ def build_store(
     resume: bool = False,
     progress: bool = True,
     compute: Callable[..., dict[str, torch.Tensor]] = compute_row,
+    worker: int = 0,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Build (or with `resume`, complete) the store at `path` for the first
     `spec.text["sequences"]` rows of `input_ids`, `attention_mask` `(blocks, length)`.
+
+    `worker` of `workers`: this process builds only the shards `s` with `s % workers ==
+    worker`, so that several processes (one thread each) build one store side by side; rows
+    are the same as one process builds (each row depends on its tokens alone).
 
     A folder that already holds a store is refused unless `resume`; with `resume`, a store of
     other settings is refused by name (`StoreError`), complete shards are kept, and every other
@@ -89,6 +99,10 @@ def build_store(
     from tqdm.auto import tqdm
 
     path = Path(path)
+    if not (isinstance(workers, int) and workers >= 1):
+        raise ValueError(f"workers={workers!r} must be an integer >= 1")
+    if not (isinstance(worker, int) and 0 <= worker < workers):
+        raise ValueError(f"worker={worker!r} must be an integer in 0..{workers - 1}")
     total = int(spec.text["sequences"])
     if input_ids.shape[0] < total:
         raise StoreError(
@@ -120,26 +134,31 @@ def build_store(
                 )
             )
     path.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(path)
+
+    def mine(s: int) -> bool:
+        return s % workers == worker
+
+    _remove_leftovers(path, mine)
     payload = {**spec.to_dict(), "fingerprint": spec.fingerprint}
     write_atomic(meta_file, json.dumps(payload, indent=1, sort_keys=True) + "\n")
     store = TeacherStore(path, warn=lambda msg: None)
     shards = math.ceil(total / spec.shard_size)
     done = {s for s in store.complete if len(store._meta[s]["rows"]) == store.expected_rows(s)}
-    have = sum(store.expected_rows(s) for s in done)
+    own = [s for s in range(shards) if mine(s)]
+    have = sum(store.expected_rows(s) for s in own if s in done)
     t0 = time.perf_counter()
     new = 0
     bar = tqdm(
-        total=total,
+        total=sum(store.expected_rows(s) for s in own),
         initial=have,
         unit="seq",
-        desc=f"teacher store {path.name}",
+        desc=f"teacher store {path.name}" + (f" [{worker}/{workers}]" if workers > 1 else ""),
         dynamic_ncols=True,
         disable=not progress,
         smoothing=0.05,
     )
     layers = spec.layers
-    for s in range(shards):
+    for s in own:
         if s in done:
             continue
         first = s * spec.shard_size

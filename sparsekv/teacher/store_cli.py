@@ -51,6 +51,20 @@ def _probe_options(text: str | None) -> dict[str, int]:
     return out
 
 
+def _worker(text: str) -> tuple[int, int]:
+    """`--worker 1/2` -> `(1, 2)`: argparse's type, with the allowed values in the error."""
+    i, sep, w = text.partition("/")
+    try:
+        pair = (int(i), int(w))
+    except ValueError:
+        pair = None
+    if not sep or pair is None or not (pair[1] >= 1 and 0 <= pair[0] < pair[1]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected I/W with W >= 1 and 0 <= I < W (e.g. 0/2 and 1/2)"
+        )
+    return pair
+
+
 def _cmd_build(args) -> int:
     from sparsekv.policies.reconstruction import REPEAT_PROMPT
     from sparsekv.teacher.probes import PROBE_PROMPTS
@@ -114,6 +128,8 @@ def _cmd_build(args) -> int:
         block_size=cfg.teacher_block_size,
         resume=args.resume,
         progress=not args.no_progress,
+        worker=args.worker[0],
+        workers=args.worker[1],
     )
     rate = out["new"] / out["seconds"] * 3600 if out["new"] and out["seconds"] > 0 else 0.0
     total_s = time.perf_counter() - t_start
@@ -197,6 +213,14 @@ def _parser(description: str | None = None) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="torch threads (default: the config's num_threads)",
+    )
+    b.add_argument(
+        "--worker",
+        type=_worker,
+        default=(0, 1),
+        metavar="I/W",
+        help="build only shards s with s %% W == I (run W of these side by side, each with "
+        "--threads 1 and --resume; default 0/1: every shard)",
     )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument(
