@@ -23,7 +23,6 @@ tokenizer's offsets).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,14 +59,26 @@ def needle_positions(tokenizer, prompt: dict[str, Any], bos: int) -> list[int]:
     return [i + shift for i, (a, b) in enumerate(enc.offset_mapping) if a < end and b > start]
 
 
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an int >= 1")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="a grid folder (config.yaml, prompts.jsonl)")
     ap.add_argument("--task", required=True, help="the task whose prompts to read, e.g. qa")
     ap.add_argument("--label", required=True, help="the method's label in the grid")
     ap.add_argument("--budget", type=float, default=0.3)
-    ap.add_argument("--samples", type=int, default=None, help="the first N prompts (default all)")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--samples", type=_positive, default=None,
+                    help="the first N prompts (default all)")
+    ap.add_argument("--threads", type=_positive, default=None)
     args = ap.parse_args(argv)
 
     from sparsekv import SparseKVCache
@@ -90,10 +101,19 @@ def main(argv: list[str] | None = None) -> int:
             f"--label {args.label!r}: not in {folder}/config.yaml; there: {sorted(specs)}"
         )
     spec = specs[args.label]
+    budgets = sorted(set(spec.budgets or cfg.budgets))
+    if args.budget not in budgets:
+        raise SystemExit(f"--budget {args.budget:g}: {args.label!r} did not run at it in {folder}; "
+                         f"its budgets: {', '.join(f'{b:g}' for b in budgets)}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    prompts = [json.loads(line) for line in (folder / "prompts.jsonl").open()]
+    if not (folder / "prompts.jsonl").is_file():
+        raise SystemExit(f"--out {folder}: no prompts.jsonl there; write it with sparsekv eval "
+                         "... --dump-prompts --out (the grid's flags)")
+    from sparsekv.io import read_jsonl
+
+    prompts = read_jsonl(folder / "prompts.jsonl", "prompt")
     prompts = [p for p in prompts if p["task"] == args.task]
     if not prompts:
         raise SystemExit(f"--task {args.task!r}: no prompts of it in {folder}/prompts.jsonl")
@@ -105,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             scores[(r["policy"], r["sample_id"])] = r["score"]
 
     model, codec = load_model(cfg.model, cfg.dtype, cfg.attn_implementation)
+    if getattr(codec, "tokenizer", None) is None:
+        raise SystemExit(f"--out {folder}: the grid's model {cfg.model!r} has no tokenizer with "
+                         "character offsets (a tiny model's codec): the needle cannot be located")
     runner = Runner(model, codec, cfg)
     bos = codec.bos_ids[0] if codec.bos_ids else -1
     kept_by_outcome: dict[str, list[list[float]]] = {"as full": [], "below full": []}

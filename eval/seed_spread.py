@@ -117,6 +117,19 @@ def report(grid: Grid, budget: float, protocol: str = "agnostic") -> tuple[list[
     return lines, numbers
 
 
+def check_asked(grid: Grid, budget: float, protocol: str) -> None:
+    """Refuse (SystemExit naming the flag and what the grid has) a protocol or budget the grid's
+    rows do not hold: the report would be a table of nothing."""
+    protocols = sorted({k[0] for k in grid.cells})
+    if protocol not in protocols:
+        raise SystemExit(f"--protocol {protocol}: the grid's rows have none; they have: "
+                         f"{', '.join(protocols) or 'no rows'}")
+    budgets = sorted({k[2] for k in grid.cells if k[0] == protocol and k[1] != REFERENCE})
+    if budget not in budgets:
+        raise SystemExit(f"--budget {budget}: no {protocol} rows at that budget; the grid's "
+                         f"budgets: {', '.join(f'{b:g}' for b in budgets) or 'none'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python eval/seed_spread.py", description=__doc__.split("\n\n")[0]
@@ -126,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--protocol", choices=("agnostic", "aware"), default="agnostic")
     args = p.parse_args(argv)
     grid = Grid(read_rows(args.out))
+    check_asked(grid, args.budget, args.protocol)
     lines, _ = report(grid, args.budget, args.protocol)
     text = "\n".join(lines) + "\n"
     write_atomic(args.out / "seeds.md", text)

@@ -19,6 +19,12 @@ Round 2 (issue 36's target: other cases of the same breadth, none repeated from 
     python eval/sweep_bad_inputs.py --round 2
 runs eval/bad_inputs/round2_*.py (surfaces api, files, train, eval cli and kills; a fourth
 outcome, "data loss") and writes docs/results/bad-inputs/{round2.json, round2.md}.
+
+Round 3 (a third fresh sweep, none of rounds 1 and 2 repeated; a case is clear only when its
+message also says what is allowed or what to do):
+    python eval/sweep_bad_inputs.py --round 3
+runs eval/bad_inputs/round3_*.py (the same five surfaces as round 2) and writes
+docs/results/bad-inputs/{round3.json, round3.md}.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from eval.bad_inputs.framework import (
     OUTCOMES,
     SURFACES,
     SURFACES2,
+    SURFACES3,
     TMP,
     Case,
     Outcome,
@@ -62,14 +69,26 @@ ROUND2_MODULES = ("round2_api", "round2_files", "round2_train", "round2_eval_cli
 """Round 2's modules, one per surface of SURFACES2 (api, files, train, eval cli, kills)."""
 
 
-def round2_cases() -> list[Case]:
-    """Round 2's cases (imported on demand, so round 1's list stays as it was)."""
+ROUND3_MODULES = ("round3_api", "round3_files", "round3_train", "round3_eval_cli",
+                  "round3_kills")
+"""Round 3's modules, one per surface of SURFACES3."""
+ROUNDS = {2: (ROUND2_MODULES, SURFACES2), 3: (ROUND3_MODULES, SURFACES3)}
+
+
+def round_cases(n: int) -> list[Case]:
+    """Round `n`'s cases (2 or 3; imported on demand, so round 1's list stays as it was)."""
     import importlib
 
-    for name in ROUND2_MODULES:
+    modules, surfaces = ROUNDS[n]
+    for name in modules:
         importlib.import_module(f"eval.bad_inputs.{name}")
-    cases = [c for c in CASES if c.round == 2]
-    return sorted(cases, key=lambda c: SURFACES2.index(c.surface))
+    cases = [c for c in CASES if c.round == n]
+    return sorted(cases, key=lambda c: surfaces.index(c.surface))
+
+
+def round2_cases() -> list[Case]:
+    """Round 2's cases."""
+    return round_cases(2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated surfaces (api, 'adapter files', ...)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "bad-inputs"))
-    ap.add_argument("--round", type=int, choices=(1, 2), default=1,
-                    help="1: the 365 cases of issue 16 (default); 2: issue 36's fresh sweep")
-    ap.add_argument("--match", help="round 2: only cases whose name contains this text")
+    ap.add_argument("--round", type=int, choices=(1, 2, 3), default=1,
+                    help="1: the 365 cases of issue 16 (default); 2: issue 36's fresh sweep; "
+                    "3: a third fresh sweep")
+    ap.add_argument("--match", help="rounds 2 and 3: only cases whose name contains this text")
     args = ap.parse_args(argv)
-    if args.round == 2:
+    if args.round in ROUNDS:
         return main_round2(args)
     only = set(args.only.split(",")) if args.only else set(SURFACES)
     cases = [c for c in CASES if c.round == 1 and c.surface in only]
@@ -110,10 +130,12 @@ def run_cases(cases: list, width: int) -> tuple[list, float]:
 
 
 def main_round2(args) -> int:
+    """Rounds 2 and 3 (`args.round`): run, write round<N>.json and round<N>.md."""
     import platform
 
-    only = set(args.only.split(",")) if args.only else set(SURFACES2)
-    cases = [c for c in round2_cases() if c.surface in only
+    n = args.round
+    only = set(args.only.split(",")) if args.only else set(ROUNDS[n][1])
+    cases = [c for c in round_cases(n) if c.surface in only
              and (not args.match or args.match in c.name)]
     results, seconds = run_cases(cases, width=9)
     out = Path(args.out)
@@ -121,29 +143,33 @@ def main_round2(args) -> int:
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs visible, Python "
                f"{platform.python_version()}, torch {torch.__version__}")
     counts = {k: sum(r.outcome == k for r in results) for k in OUTCOMES}
-    doc = {"round": 2, "command": "python eval/sweep_bad_inputs.py --round 2", "machine": machine,
+    doc = {"round": n, "command": f"python eval/sweep_bad_inputs.py --round {n}", "machine": machine,
            "seconds": round(seconds, 1), "n": len(results), "counts": counts,
            "cases": [r.__dict__ for r in results]}
     suffix = "" if not (args.only or args.match) else "-partial"
     from sparsekv.io import write_atomic
 
-    write_atomic(out / f"round2{suffix}.json", json.dumps(doc, indent=1) + "\n")
-    write_atomic(out / f"round2{suffix}.md", summarize_round2(results, seconds, machine))
+    write_atomic(out / f"round{n}{suffix}.json", json.dumps(doc, indent=1) + "\n")
+    write_atomic(out / f"round{n}{suffix}.md", summarize_round2(results, seconds, machine, n))
     print(f"{len(results)} cases in {seconds:.0f} s: {counts}")
     shutil.rmtree(TMP, ignore_errors=True)
     return 0
 
 
-def summarize_round2(results: list[Outcome], seconds: float, machine: str) -> str:
-    """round2.md: the counts per surface and every case that is not clear."""
+def summarize_round2(results: list[Outcome], seconds: float, machine: str, n: int = 2) -> str:
+    """round<n>.md (n = 2 or 3): the counts per surface and every case that is not clear."""
+    title = {2: "round 2 (issue 36's target)", 3: "round 3 (a third fresh sweep)"}[n]
+    before = ("round 1 (`eval/bad_inputs/{api,adapter_files,train_config,eval_cli}.py`)"
+              if n == 2 else "rounds 1 and 2 (`eval/bad_inputs/{api,adapter_files,"
+              "train_config,eval_cli}.py`, `eval/bad_inputs/round2_*.py`); a case is clear "
+              "only when its message also says what is allowed or what to do")
     lines = [
-        "# Bad-input sweep, round 2 (issue 36's target)",
+        f"# Bad-input sweep, {title}",
         "",
-        (f"`python eval/sweep_bad_inputs.py --round 2` ({len(results)} cases, {seconds:.0f} s; "
+        (f"`python eval/sweep_bad_inputs.py --round {n}` ({len(results)} cases, {seconds:.0f} s; "
          f"{machine}; tiny random models, one thread). Cases: "
-         + ", ".join(f"`eval/bad_inputs/{m}.py`" for m in ROUND2_MODULES)
-         + ", none repeated from round 1 (`eval/bad_inputs/{api,adapter_files,train_config,"
-         "eval_cli}.py`). Every case and its message: `round2.json`."),
+         + ", ".join(f"`eval/bad_inputs/{m}.py`" for m in ROUNDS[n][0])
+         + f", none repeated from {before}. Every case and its message: `round{n}.json`."),
         "",
         ("Outcomes: **clear** (ValueError / TypeError / FileNotFoundError / SystemExit or CLI "
          "exit 2 naming the parameter, flag, key or file, or a case-judged result that is "
@@ -157,7 +183,7 @@ def summarize_round2(results: list[Outcome], seconds: float, machine: str) -> st
         "|---|---:|---:|---:|---:|---:|",
     ]
     tot = dict.fromkeys(("n", *OUTCOMES), 0)
-    for s in SURFACES2:
+    for s in ROUNDS[n][1]:
         rs = [r for r in results if r.surface == s]
         if not rs:
             continue

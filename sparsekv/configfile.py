@@ -72,14 +72,23 @@ def read_yaml_mapping(path: str | os.PathLike, label: str = "config file") -> di
     return data
 
 
+def check_known(cls: type, keys: Any, what: str | None = None, also: tuple[str, ...] = ()) -> None:
+    """Every key in `keys` is a field of dataclass `cls` (or one of `also`), else a ValueError
+    naming the unknown keys, `what` they were given as, and the allowed ones."""
+    known = {f.name for f in fields(cls)} | set(also)
+    unknown = sorted(set(keys) - known, key=str)
+    if unknown:
+        where = f"{what}: " if what else ""
+        raise ValueError(
+            f"{where}unknown {cls.__name__} field(s) {unknown}; allowed: {', '.join(sorted(known))}"
+        )
+
+
 def from_fields(cls: type[T], d: dict[str, Any]) -> T:
     """`cls(**d)` for a dataclass, after checking that every key of `d` is one of its fields."""
     if not isinstance(d, dict):
         raise ValueError(f"a {cls.__name__} is built from a mapping of fields, got {type(d).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(d) - known, key=str)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; allowed: {', '.join(sorted(known))}")
+    check_known(cls, d)
     return cls(**d)
 
 

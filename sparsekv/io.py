@@ -21,7 +21,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "fsync_path", "only_a_path", "pid_alive", "read_jsonl", "write_atomic"]
+__all__ = [
+    "as_path", "atomic_path", "fsync_path", "only_a_path", "pid_alive", "read_jsonl", "write_atomic",
+]
+
+
+def as_path(value: Any, name: str) -> Path:
+    """`value` (a str or an os.PathLike naming a path) as a Path, `~` expanded; anything else (None,
+    a number, bytes) is a TypeError naming the argument `name` and what it may be."""
+    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"{name}={value!r} must be a path: a str or an os.PathLike such as pathlib.Path "
+            f"(a folder's name), got {type(value).__name__}"
+        )
+    path = os.fspath(value)
+    if isinstance(path, bytes):
+        raise TypeError(f"{name}={value!r} must be a path given as a str, not bytes")
+    return Path(path).expanduser()
 
 
 def fsync_path(path: str | os.PathLike) -> None:

@@ -168,6 +168,9 @@ class TrainConfig:
         _choice("log_with", self.log_with, LOG_WITH)
         if self.model.startswith("tiny:"):
             _choice("model", self.model, tuple(f"tiny:{f}" for f in TINY_FAMILIES) + ("default",))
+        if isinstance(self.seq_len, int) and not isinstance(self.seq_len, bool) and self.seq_len == 1:
+            raise ValueError("seq_len=1 must be >= 2 (each sequence opens with BOS and needs at "
+                             "least one token after it)")
         for name in (
             "head_hidden",
             "teacher_block_size",
@@ -221,6 +224,18 @@ class TrainConfig:
                 "(lr) without reaching it; lower warmup_steps to reach it",
                 UserWarning,
                 stacklevel=3,
+            )
+        if self.run_name is not None and (
+            Path(self.run_name).is_absolute() or ".." in Path(self.run_name).parts
+        ):
+            raise ValueError(
+                f"run_name={self.run_name!r} must be a name inside checkpoints/ (no absolute path, "
+                "no '..'); to write elsewhere set output_dir=PATH"
+            )
+        if self.teacher_cache is not None and Path(self.teacher_cache).is_file():
+            raise ValueError(
+                f"teacher_cache={self.teacher_cache!r} is a file; it must name a folder (created "
+                "if missing) where teacher targets are cached, or be null"
             )
         if self.output_dir is not None and not str(self.output_dir).strip():
             raise ValueError(
@@ -387,6 +402,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     d: dict[str, Any] = {}
     if path is not None:
         d = read_yaml_mapping(path, "--config")
+        if not d:  # a run without settings would silently train the defaults
+            raise ValueError(
+                f"--config {str(path)!r} holds no settings (empty, or comments only); give at "
+                "least the key model and dataset (see configs/train/tiny-cpu.yaml)"
+            )
     d = apply_overrides(d, list(overrides))
     if d.get("run_name") is None:
         d["run_name"] = Path(path).stem if path is not None else "run"

@@ -110,6 +110,21 @@ def load_texts(
 ) -> list[str]:
     """The texts of `dataset` (at most `limit`). A missing local .jsonl is made by `build(path)`."""
     p = Path(dataset)
+    if p.is_file() and p.suffix not in LOCAL_SUFFIXES:
+        raise ValueError(
+            f"dataset={dataset!r} is a file of a kind not read here; allowed local files: "
+            f"{', '.join(LOCAL_SUFFIXES)} (JSON lines of {{{text_field!r}: ...}}, JSON, parquet), "
+            "a folder of them, a saved `datasets` folder or a Hub dataset id"
+        )
+    if p.suffix in LOCAL_SUFFIXES and (p.is_file() or p.suffix == ".jsonl"):
+        for key, value, default in (("dataset_split", split, "train"),
+                                    ("dataset_config", config, None)):
+            if value != default:
+                raise ValueError(
+                    f"{key}={value!r} applies to a Hub dataset or a saved `datasets` folder; "
+                    f"dataset={dataset!r} is one local file, read whole: leave {key} "
+                    f"{'at train' if default else 'null'}"
+                )
     if p.suffix in LOCAL_SUFFIXES and p.is_dir():
         raise ValueError(
             f"dataset={dataset!r} is a folder, not a {p.suffix} file; name the file, or a folder "

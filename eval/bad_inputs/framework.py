@@ -36,6 +36,8 @@ SURFACES = ("api", "adapter files", "train config", "eval cli")
 SURFACES2 = ("api", "files", "train", "eval cli", "kills")
 """Round 2's surfaces (eval/bad_inputs/round2_*.py): the public API, files on disk (adapters,
 saved contexts, run folders), training (configs and runs), the eval CLI, and SIGKILLs."""
+SURFACES3 = SURFACES2
+"""Round 3's surfaces (eval/bad_inputs/round3_*.py), the same five as round 2's."""
 OUTCOMES = ("clear", "unclear", "silent", "data loss")
 
 
@@ -50,6 +52,9 @@ class Case:
     warn_ok: bool = False
     """Carrying on with a warning (stderr) that names one of `names` is the right answer."""
     round: int = 1
+    allowed: tuple[str, ...] = ()
+    """Round 3: words of which one must also appear for "clear" (the allowed values or what to
+    do instead), so a message naming the parameter but not what it may be is "unclear"."""
 
 
 @dataclass
@@ -77,13 +82,17 @@ CASES: list[Case] = []
 
 
 def case(surface: str, group: str, name: str, names, cli: bool = False, warn_ok: bool = False,
-         round: int = 1):
-    """Register `fn` as a case; `names`: words of which one must appear in the error message."""
+         round: int = 1, allowed=()):
+    """Register `fn` as a case; `names`: words of which one must appear in the error message;
+    `allowed` (round 3): words of which one must appear too."""
     if isinstance(names, str):
         names = (names,)
+    if isinstance(allowed, str):
+        allowed = (allowed,)
 
     def deco(fn):
-        CASES.append(Case(surface, group, name, fn, tuple(names), cli, warn_ok, round))
+        CASES.append(Case(surface, group, name, fn, tuple(names), cli, warn_ok, round,
+                          tuple(allowed)))
         return fn
 
     return deco
@@ -98,6 +107,13 @@ def add2(surface: str, group: str, name: str, names, fn, cli: bool = False,
          warn_ok: bool = False) -> None:
     """Register a case of round 2 (`python eval/sweep_bad_inputs.py --round 2`)."""
     case(surface, group, name, names, cli, warn_ok, 2)(fn)
+
+
+def add3(surface: str, group: str, name: str, names, fn, cli: bool = False,
+         warn_ok: bool = False, allowed=()) -> None:
+    """Register a case of round 3 (`python eval/sweep_bad_inputs.py --round 3`); `allowed`:
+    words of which one must appear besides one of `names` for the case to be clear."""
+    case(surface, group, name, names, cli, warn_ok, 3, allowed)(fn)
 
 
 def _names_in(msg: str, names: tuple[str, ...]) -> bool:
@@ -154,6 +170,8 @@ def classify(c: Case) -> Outcome:
             kind, etype, msg = "clear", "warning", err.getvalue().strip()
         else:
             msg = f"accepted: {ret!r}"[:300]
+    if kind == "clear" and etype != "verdict" and c.allowed and not _names_in(msg, c.allowed):
+        kind = "unclear"  # names the thing but not what it may be (round 3's stricter reading)
     lines = [x for x in msg.splitlines() if x.strip()]
     short = " | ".join(lines[-3:])[:600]
     return Outcome(c.surface, c.group, c.name, kind, etype, short, list(c.names),

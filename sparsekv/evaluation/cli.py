@@ -105,14 +105,26 @@ def _parse_eviction(text: str | None) -> dict[str, Any] | None:
         return None
     from sparsekv.evaluation.config import _scalar
 
-    out = {}
-    for item in text.split(","):
+    out: dict[str, Any] = {}
+    items, depth, cur = [], 0, ""
+    for ch in text:  # commas inside [...] belong to a list value (schedule=[0.3,0.5,...])
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth <= 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    items.append(cur)
+    for item in items:
         item = item.strip()
         if not item:
             continue
         if "=" not in item:
-            raise ValueError(f"--eviction item {item!r} must be KEY=VALUE (e.g. schedule=pyramid)")
+            raise ValueError(f"--eviction item {item!r} must be KEY=VALUE (e.g. schedule=pyramid "
+                             "or schedule=[0.3,0.5])")
         k, v = item.split("=", 1)
+        if k.strip() in out:
+            raise ValueError(f"--eviction {k.strip()} is given twice ({text!r}); give each key once")
         out[k.strip()] = _scalar(v.strip())
     return out
 
@@ -194,6 +206,14 @@ def _command(args: argparse.Namespace) -> int:
     from sparsekv.evaluation.running import runner
 
     if args.list:
+        given = [f for f in ("config", "policies", "budgets", "tasks", "lengths", "protocols",
+                             "samples", "out", "model", "eviction", "ingest")
+                 if getattr(args, f, None) not in (None, [], False)] + (["adapter"] if args.adapter else [])
+        if given:
+            raise ValueError(
+                f"--list lists the tasks and policies and runs nothing: leave out "
+                f"{', '.join('--' + g.replace('_', '-') for g in given)} (they would not be read)"
+            )
         return _list()
     if args.readme_plots is not None and not 1 <= len(args.readme_plots) <= 6:
         raise ValueError(f"--readme-plots takes 1 to 6 method names, got {len(args.readme_plots)}")

@@ -106,6 +106,9 @@ def parse_policy(spec: str | dict[str, Any]) -> PolicySpec:
             if not v.strip():
                 raise ValueError(f"policy {text!r}: option @{k.strip()}= has no value; give "
                                  f"@{k.strip()}=VALUE (e.g. @label=NAME, @blend=0.5)")
+            if k.strip() in options:
+                raise ValueError(f"policy {text!r}: option @{k.strip()} is given twice; give "
+                                 "each option once")
             options[k.strip()] = _scalar(v.strip())
     else:
         raise ValueError(f"policy={spec!r} must be a non-empty string like 'snapkv' or 'learned:PATH@blend=0.5'")

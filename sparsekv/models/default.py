@@ -44,6 +44,27 @@ def resolve_dtype(dtype: torch.dtype | str, name: str = "dtype") -> torch.dtype:
     raise ValueError(f"{name}={dtype!r} is not supported; allowed values: {allowed}")
 
 
+def check_device(device: str | torch.device, name: str = "device") -> torch.device:
+    """`device` as a torch.device ("cpu", "cuda", "cuda:<index>", or a torch.device) that this
+    machine has, else a ValueError naming `name` and the allowed values (before any loading)."""
+    allowed = "allowed values: cpu, cuda, cuda:<index> (or a torch.device)"
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise ValueError(f"{name}={device!r} is not a device; {allowed}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name}={device!r} is not a device; {allowed}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}={device!r} is not supported; {allowed}")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"{name}={device!r}: no CUDA GPU is available here; use device='cpu'")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"{name}={device!r}: this machine has {n} CUDA GPU(s) (0 to {n - 1})")
+    return dev
+
+
 def cache_dir() -> Path:
     """Where sparsekv keeps converted models: `$SPARSEKV_CACHE` or `~/.cache/sparsekv`."""
     return Path(os.environ.get("SPARSEKV_CACHE", Path.home() / ".cache" / "sparsekv")).expanduser()
@@ -115,6 +136,12 @@ def load_default_model(
         raise ValueError(
             f"attn_implementation={attn_implementation!r} is not supported; allowed values: "
             f"{', '.join(allowed_attn)}"
+        )
+    device = check_device(device)
+    if cache_dir().exists() and not cache_dir().is_dir():
+        raise ValueError(
+            f"SPARSEKV_CACHE={str(cache_dir())!r} is a file; it must name a folder (where the "
+            "converted default model is kept), or be unset for ~/.cache/sparsekv"
         )
     path = default_model_path()
     if not (path / "config.json").exists():

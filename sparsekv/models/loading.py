@@ -62,6 +62,12 @@ def validate_model_spec(spec: Any, hub: bool = False, name: str = "model") -> No
                 f"{name}={spec!r}: tiny model family {family!r}; "
                 f"allowed: {', '.join(TINY_FAMILIES)}"
             )
+    elif spec != "default" and _is_adapter_folder(Path(spec)):
+        raise ValueError(
+            f"{name}={spec!r} is a sparsekv adapter folder (a trained scorer), not a model: "
+            "pass it as the adapter (--adapter DIR, --policy learned:DIR, lora.adapter=DIR) and "
+            f"the base model as {name}; {name} must be {_allowed(hub)}"
+        )
     elif spec != "default" and not (Path(spec) / "config.json").is_file():
         if not hub:
             raise ValueError(f"{name}={spec!r} is not {_allowed(hub)}")
@@ -71,6 +77,17 @@ def validate_model_spec(spec: Any, hub: bool = False, name: str = "model") -> No
             )
         if only_a_path(spec):
             raise ValueError(f"{name}={spec!r}: no such folder; it must be {_allowed(hub)}")
+
+
+def _is_adapter_folder(folder: Path) -> bool:
+    """Whether `folder`'s config.json is a sparsekv adapter's (it records `sparsekv_type`)."""
+    import json
+
+    try:
+        data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "sparsekv_type" in data
 
 
 def load_model(

@@ -47,6 +47,13 @@ def tiny_config(family: str, attn_implementation: str = "sdpa", **overrides):
     if family not in builders:
         raise ValueError(f"tiny model family {family!r} is not supported; allowed values: {', '.join(builders)}")
     cfg = builders[family]()
+    unknown = sorted(k for k in overrides if not hasattr(cfg, k))
+    if unknown:
+        raise ValueError(
+            f"tiny_model override(s) {unknown} are not attributes of the {family} config (they "
+            f"would be ignored); allowed: its attributes, e.g. num_hidden_layers, hidden_size, "
+            f"max_position_embeddings, sliding_window"
+        )
     for key, value in overrides.items():
         setattr(cfg, key, value)
     cfg._attn_implementation = attn_implementation
@@ -58,6 +65,9 @@ def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0, **
     stream is left untouched."""
     from transformers import AutoModelForCausalLM
 
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r} must be an int (the random weights' seed), got "
+                         f"{type(seed).__name__}")
     cfg = tiny_config(family, attn_implementation, **overrides)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):

@@ -25,6 +25,7 @@ when the cache is built. A string (`policies.get("learned:DIR")`) is loaded as a
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -144,6 +145,8 @@ class LearnedPolicy(Policy):
         model's `tokenizer` (`sparsekv.policies.words`): pass it, or it is loaded from the model's
         `name_or_path` on first use. `window`: the observation window (queries) read when
         blending."""
+        if isinstance(adapter, os.PathLike):  # a pathlib path of an adapter folder
+            adapter = os.fspath(adapter)
         if isinstance(adapter, str):
             if not adapter:
                 raise ValueError("adapter='' must name an adapter folder or Hub repo id")

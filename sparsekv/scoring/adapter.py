@@ -42,6 +42,7 @@ from torch import nn
 
 from sparsekv.cache import SparseKVCache
 from sparsekv.config import EvictionConfig
+from sparsekv.configfile import check_known
 from sparsekv.models.families import text_config
 from sparsekv.policies import get as get_policy
 from sparsekv.policies.learned import LearnedPolicy
@@ -122,6 +123,7 @@ class ScorerAdapter(TrainedScorer):
                 f"lora={lora!r} must be True (apply the adapter's LoRA, if any) or False"
             )
         settings = {k: eviction_kwargs.pop(k) for k in POLICY_DEFAULTS if k in eviction_kwargs}
+        check_known(EvictionConfig, eviction_kwargs, "attach(**kwargs)", also=tuple(POLICY_DEFAULTS))
         if blend is not None:
             settings["blend"] = blend
         config = EvictionConfig(

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sparsekv.io import only_a_path
+from sparsekv.io import as_path, only_a_path
 from sparsekv.scoring.adapter_config import LORA_DIR, _version
 from sparsekv.scoring.files import (
     CARD_NAME,
@@ -51,7 +51,7 @@ def locate(path_or_repo_id: str | os.PathLike, subfolder: str | None = None, **h
         raise ValueError(
             f"subfolder={subfolder!r} must be a relative path inside the folder or repo"
         )
-    root = Path(path_or_repo_id).expanduser()
+    root = as_path(path_or_repo_id, "path_or_repo_id")
     if root.is_dir():
         return root / subfolder if subfolder else root
     if root.exists():

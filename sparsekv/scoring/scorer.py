@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from sparsekv.config import without_later_defaults
+from sparsekv.io import as_path
 from sparsekv.models.families import ModelShape, model_shape, text_config
 from sparsekv.scoring.adapter_config import LORA_DIR, POLICY_DEFAULTS, AdapterConfig
 from sparsekv.scoring.files import (
@@ -68,6 +69,14 @@ _SHAPE_FIELDS = (
     ("head_dim", "head dim"),
     ("hidden_size", "hidden size"),
 )
+
+
+def _same_weights(a: TrainedScorer, b: TrainedScorer) -> bool:
+    """Whether two adapters' heads hold the same tensors (the same adapter loaded twice)."""
+    sa, sb = a.head.state_dict(), b.head.state_dict()
+    return sa.keys() == sb.keys() and all(
+        sa[k].shape == sb[k].shape and torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa
+    )
 
 
 def _base_model_id(model: nn.Module) -> str | None:
@@ -147,6 +156,11 @@ class TrainedScorer:
             raise ValueError(
                 f"unknown policy default(s) {bad}; allowed: {', '.join(POLICY_DEFAULTS)}"
             )
+        if target is not None and not isinstance(target, TargetConfig):
+            raise TypeError(
+                f"target={target!r} must be a TargetConfig (sparsekv.teacher.statistics."
+                f"TargetConfig) or None (the default target), got {type(target).__name__}"
+            )
         shape = model_shape(model)
         layers = list(default_layers(model) if layers is None else layers)
         config = AdapterConfig(
@@ -177,9 +191,28 @@ class TrainedScorer:
         are ensembles themselves, are refused."""
         import copy
 
+        if isinstance(scorers, (TrainedScorer, str, os.PathLike)) or not isinstance(
+            scorers, Sequence
+        ):
+            raise TypeError(
+                f"ensemble(scorers) takes a list (or tuple) of 2 or more ScorerAdapter objects, "
+                f"got a {type(scorers).__name__}"
+            )
         scorers = list(scorers)
         if len(scorers) < 2:
             raise ValueError(f"an ensemble needs at least 2 adapters, got {len(scorers)}")
+        for i, s in enumerate(scorers):
+            if not isinstance(s, TrainedScorer):
+                raise TypeError(
+                    f"adapter {i} is a {type(s).__name__} ({s!r:.80}): ensemble takes ScorerAdapter "
+                    "objects; load a folder first with ScorerAdapter.from_pretrained(path)"
+                )
+            for j in range(i):
+                if s is scorers[j] or _same_weights(s, scorers[j]):
+                    raise ValueError(
+                        f"adapters {j} and {i} are the same adapter twice (identical weights): "
+                        "an ensemble averages heads trained apart, e.g. with other head seeds"
+                    )
         first = scorers[0].config
         same = ("model_type", "num_layers", "num_kv_heads", "head_dim", "hidden_size", "layers",
                 "kind", "hidden", "target")
@@ -223,6 +256,7 @@ class TrainedScorer:
         adapter's files beside them and leaves them in place."""
         if not isinstance(overwrite, bool):
             raise ValueError(f"overwrite={overwrite!r} must be True or False")
+        folder = as_path(save_directory, "save_directory")
         if lora is not None:
             self.set_lora(lora)
         state = {
@@ -239,7 +273,7 @@ class TrainedScorer:
                     if p.is_file()
                 )
         files.update(adapter_files(self.config, state, self.model_card()))
-        return write_folder(Path(save_directory), files, overwrite=overwrite)
+        return write_folder(folder, files, overwrite=overwrite)
 
     @classmethod
     def from_pretrained(

@@ -48,6 +48,7 @@ import torch
 from sparsekv.cache import SparseKVCache
 from sparsekv.cache.state import model_dtype, model_fingerprint, restore, snapshot
 from sparsekv.config import EvictionConfig
+from sparsekv.io import as_path
 from sparsekv.models.families import model_shape
 from sparsekv.policies import Policy
 from sparsekv.serving.context_files import (  # noqa: F401  (the private names: patched here by tests)
@@ -162,6 +163,11 @@ class CompressedContext:
                 raise ValueError(
                     f"generate(..., {key}=...) is set by the compressed context; leave it out"
                 )
+        if generate_kwargs.get("use_cache", True) is not True:
+            raise ValueError(
+                f"generate(..., use_cache={generate_kwargs['use_cache']!r}): the answer is read "
+                "through the compressed cache, so use_cache must stay True; leave it out"
+            )
         check_one_sequence(self.model, generate_kwargs)
         device = next(self.model.parameters()).device
         q = as_ids(question_ids, "question_ids", device, vocab_size(self.model))
@@ -200,6 +206,12 @@ class CompressedContext:
         """`ask` for each question, each from its own copy of the compressed context."""
         if isinstance(questions, str):
             raise ValueError("questions must be a list of strings (got one string); use ask()")
+        if not isinstance(questions, (list, tuple)):
+            raise ValueError(
+                f"questions={questions!r:.80} must be a list (or tuple) of strings, in the order "
+                f"of the answers wanted; got a {type(questions).__name__}"
+                + (" (a set has no order)" if isinstance(questions, (set, frozenset)) else "")
+            )
         self._tokenizer(kwargs.get("tokenizer"), "ask_many")
         return [self.ask(q, **kwargs) for q in questions]
 
@@ -239,7 +251,7 @@ class CompressedContext:
             meta["tokenizer"] = tokenizer_record(self.tokenizer)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self._tensors.items()}
         tensors["context_ids"] = self.context_ids.cpu().contiguous()
-        return write_folder(Path(path).expanduser(), tensors, meta, exchange=_exchange)
+        return write_folder(as_path(path, "path"), tensors, meta, exchange=_exchange)
 
     @classmethod
     def load(
@@ -250,7 +262,12 @@ class CompressedContext:
         or a `Policy` instance (a name or "learned:DIR" is rebuilt from the record).
         `tokenizer`: the model's, for `ask` / `ask_many` (a text context records its size, which
         must match). Every part of the folder is checked (`sparsekv.serving.context_files`)."""
-        folder = Path(path).expanduser()
+        folder = as_path(path, "path")
+        if tokenizer is not None and (not callable(tokenizer) or not hasattr(tokenizer, "decode")):
+            raise ValueError(
+                f"tokenizer={tokenizer!r:.80} must be a Hugging Face tokenizer (text <-> ids: "
+                "callable, with decode), e.g. AutoTokenizer.from_pretrained(...), or None"
+            )
         meta = read_meta(folder)
         shape = model_shape(model)
         recorded = meta["model_shape"]
@@ -312,6 +329,11 @@ def compress(
     `max_position_embeddings` warns."""
     if not isinstance(config, EvictionConfig):
         raise ValueError(f"config must be an EvictionConfig, got {type(config).__name__}")
+    if not hasattr(getattr(model, "config", None), "model_type"):
+        raise TypeError(
+            f"model={model!r:.60} must be a Hugging Face causal LM (a transformers model, e.g. "
+            f"from sparsekv.load_default_model()), got {type(model).__name__}"
+        )
     if not isinstance(lora, bool):
         raise ValueError(f"lora={lora!r} must be True (apply the adapter's LoRA, if any) or False")
     built, spec = _resolve_policy(policy)

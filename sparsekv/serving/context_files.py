@@ -85,6 +85,10 @@ def _check_tensors(tensors: dict[str, torch.Tensor], recorded: Any, path: Path) 
             )
 
 
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+"""The dtypes a context's keys and values are saved in (the model's)."""
+
+
 def _check_meta(meta: Any, path: Path) -> dict[str, Any]:
     """`context.json` as read: an object with every field of `META_FIELDS`, of its type, and a
     list of layer objects; returns it."""
@@ -124,6 +128,17 @@ def _check_meta(meta: Any, path: Path) -> dict[str, Any]:
             if not isinstance(v, kind) or (kind is int and (isinstance(v, bool) or v < 0)):
                 what = "true or false" if kind is bool else "an int >= 0"
                 raise ValueError(f"{where}: {key}={v!r} must be {what}")
+    kept = [0 if m["empty"] else m["kept"] for m in meta["layers"]]
+    if "kept" in meta and meta["kept"] != kept:
+        raise ValueError(
+            f"{path}: kept={meta['kept']!r} does not match its layers' records ({kept}): the "
+            "file was edited; compress and save the context again"
+        )
+    if meta["dtype"] not in _DTYPES:
+        raise ValueError(
+            f"{path}: dtype={meta['dtype']!r}; a saved context holds keys and values in one of "
+            f"{', '.join(_DTYPES)}"
+        )
     spec = meta["policy"]
     if spec.get("kind") not in ("name", "adapter", "policy") or not isinstance(
         spec.get("name"), str
@@ -300,6 +315,11 @@ def read_meta(folder: Path) -> dict[str, Any]:
     except OSError:
         pass
     meta_path, tensors_path = folder / META_FILE, folder / TENSORS_FILE
+    if folder.is_file():
+        raise ValueError(
+            f"path={str(folder)!r} is a file; give the saved context's folder (the one holding "
+            f"{META_FILE} and {TENSORS_FILE})"
+        )
     if not meta_path.is_file() or not tensors_path.is_file():
         raise FileNotFoundError(
             f"path={str(folder)!r} is not a saved compressed context "

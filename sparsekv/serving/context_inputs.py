@@ -89,10 +89,21 @@ def vocab_size(model) -> int:
 def check_one_sequence(model, kwargs: dict[str, Any]) -> None:
     """Refuse, before anything runs, `generate` arguments (or the model's generation config)
     asking for more than one sequence: beams, several returned sequences."""
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    given_config = kwargs.get("generation_config")
+    if given_config is not None:
+        from transformers import GenerationConfig
+
+        if not isinstance(given_config, GenerationConfig):
+            raise ValueError(
+                f"generation_config={given_config!r:.80} must be a transformers GenerationConfig "
+                f"(or left out), got {type(given_config).__name__}"
+            )
+    config = given_config or getattr(model, "generation_config", None)
     for name, why in ONE_SEQUENCE.items():
         given = name in kwargs
         v = kwargs[name] if given else getattr(config, name, None)
+        if given and v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}={v!r} must be the int 1 (or left out): {why}")
         if isinstance(v, int) and not isinstance(v, bool) and v > 1:
             where = "" if given else " (from the generation config)"
             raise ValueError(f"{name}={v}{where}: {why}; allowed value: {name}=1")

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
 from sparsekv.config import EvictionConfig
+from sparsekv.configfile import check_known
 from sparsekv.serving.compressed import compress_text
 
 TASK = "sparsekv-text-generation"
@@ -64,10 +65,37 @@ class SparseKVTextGeneration(Pipeline):
             raise ValueError(f"eviction={eviction!r} must be a mapping of EvictionConfig fields")
         if eviction and "budget" in eviction:
             raise ValueError("eviction={'budget': ...}: pass budget=... instead")
+        check_known(EvictionConfig, eviction or {}, "eviction")
+        if questions is not None:
+            if isinstance(questions, str) or not isinstance(questions, (list, tuple)):
+                raise ValueError(
+                    f"questions={questions!r:.80} must be a list of strings (in order; a set has "
+                    "none); for one question use question=..."
+                )
+            if not questions:
+                raise ValueError(
+                    "questions=[] is empty: give at least one question (the context would be "
+                    "compressed for nothing)"
+                )
         forward = {"question": question, "questions": questions, "policy": policy,
                    "config": EvictionConfig(budget=budget, **(eviction or {})),
                    "generate_kwargs": generate_kwargs}
         return {}, forward, {}
+
+    def __call__(self, inputs: Any = None, *args: Any, **kwargs: Any):
+        """`pipe(context, ...)` or `pipe([context, ...], ...)` (one result per context); each
+        context is compressed on its own, so `batch_size` above 1 is refused."""
+        batch = kwargs.get("batch_size")
+        if batch is not None and (isinstance(batch, bool) or batch != 1):
+            raise ValueError(
+                f"batch_size={batch!r}: {TASK} compresses one context at a time (a cache holds "
+                "one sequence); pass a list of contexts without batch_size, or batch_size=1"
+            )
+        if isinstance(inputs, (list, tuple)) and not inputs:
+            raise ValueError(
+                "context=[] is an empty list: give a non-empty string, or a list of them"
+            )
+        return super().__call__(inputs, *args, **kwargs)
 
     def preprocess(self, context: str) -> dict[str, Any]:
         if not isinstance(context, str) or not context:

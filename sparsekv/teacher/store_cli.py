@@ -241,12 +241,37 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     args = _parser(description).parse_args(argv)
     try:
         if args.command == "build":
-            if args.sequences < 1:
-                raise StoreError(f"--sequences={args.sequences} must be >= 1")
+            _check_build_args(args)
             return _cmd_build(args)
         if args.command == "info":
             return _cmd_info(args)
         return _cmd_verify(args)
-    except StoreError as e:
+    except (ValueError, FileNotFoundError) as e:  # StoreError, a bad config or override: one line
         print(f"sparsekv.teacher.store: error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_build_args(args) -> None:
+    """The build's own flags, checked before the config or the model is read."""
+    from pathlib import Path
+
+    for flag, value, least in (("--sequences", args.sequences, 1), ("--length", args.length, 2),
+                               ("--shard-size", args.shard_size, 1)):
+        if value < least:
+            why = " (BOS and at least one token)" if flag == "--length" else ""
+            raise StoreError(f"{flag}={value} must be >= {least}{why}")
+    if args.threads is not None and args.threads < 1:
+        raise StoreError(f"--threads={args.threads} must be >= 1 (or left out for the config's)")
+    signals = [x.strip() for x in args.signals.split(",")]
+    if args.probe and "probe" not in signals:
+        raise StoreError(f"--probe {args.probe!r} sets the probe signal, which --signals "
+                         f"{args.signals!r} does not build; add probe to --signals or drop --probe")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise StoreError(f"--out {str(out)!r} is a file; the store is a folder: name a new one")
+    if out.is_dir() and not (out / "store.json").exists():
+        mine = ("shard-", ".shard-", "store.json", ".store.json")
+        other = sorted(p.name for p in out.iterdir() if not p.name.startswith(mine))
+        if other:
+            raise StoreError(f"--out {str(out)!r} holds other files ({', '.join(other[:5])}): a "
+                             "store is built into an empty or new folder; name another one")

@@ -51,7 +51,21 @@ class TeacherStore:
                 "python -m sparsekv.teacher.store build --config ... --out "
                 f"{self.path}"
             )
-        saved = json.loads(f.read_text(encoding="utf-8"))
+        try:
+            saved = json.loads(f.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise StoreError(
+                f"{f}: not valid JSON ({e}); the store's settings are lost: rebuild it with "
+                "python -m sparsekv.teacher.store build into a new folder"
+            ) from None
+        if not isinstance(saved, dict):
+            raise StoreError(f"{f}: holds a JSON {type(saved).__name__}, not an object (the "
+                             "store's settings as build writes them); rebuild the store")
+        missing = [k for k in StoreSpec.__dataclass_fields__ if k not in saved]
+        if missing and saved.get("format") == FORMAT:
+            raise StoreError(f"{f}: missing key(s) {missing} (a store.json has "
+                             f"{', '.join(StoreSpec.__dataclass_fields__)}); edited by hand? "
+                             "rebuild the store")
         if saved.get("format") != FORMAT:
             raise StoreError(
                 f"{f}: store format {saved.get('format')!r}; this sparsekv reads format {FORMAT}"
@@ -63,6 +77,8 @@ class TeacherStore:
         self._warn = warn or (lambda msg: print(f"[sparsekv] {msg}", file=sys.stderr))
         self._meta: dict[int, dict[str, Any]] = {}
         self._verified: set[tuple[int, int]] = set()
+        self.skipped: list[tuple[Path, str]] = []
+        """Shard files found but not complete (torn, of another store, ...) and why."""
         self.complete = self._scan()
         self._index: dict[str, tuple[int, int]] | None = None
 
@@ -126,6 +142,7 @@ class TeacherStore:
             meta = self.shard_meta(index)
             if meta is None:
                 self._warn(f"{p} is incomplete and is skipped: it {self.last_problem}")
+                self.skipped.append((p, self.last_problem))
                 continue
             self._meta[index] = meta
             done.append(index)
@@ -167,7 +184,21 @@ class TeacherStore:
         return tensors
 
     def verify(self) -> int:
-        """Read and check every row of every complete shard; returns the rows checked."""
+        """Read and check every row of every complete shard; returns the rows checked. A shard
+        file that is not complete, a missing shard below a complete one, or no complete shard
+        at all is a StoreError naming them (`build --resume` rebuilds them)."""
+        if self.skipped:
+            bad = "; ".join(f"{p.name} {why}" for p, why in self.skipped)
+            raise StoreError(f"{self.path}: damaged shard(s): {bad}; delete them and rebuild "
+                             f"with build --resume --out {self.path}")
+        if not self.complete:
+            raise StoreError(f"{self.path} holds no complete shard: nothing to verify; build "
+                             f"it with build --resume --out {self.path}")
+        gaps = sorted(set(range(max(self.complete))) - set(self.complete))
+        if gaps:
+            names = ", ".join(self.shard_path(i).name for i in gaps[:5])
+            raise StoreError(f"{self.path}: shard(s) {names} missing below complete ones (removed, "
+                             f"or not built yet); build them with build --resume --out {self.path}")
         n = 0
         for s, r in self.rows():
             self._verified.discard((s, r))
