@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import sys
@@ -207,6 +208,22 @@ def adapter_dir(family: str = "llama") -> Path:
 
 
 _n = [0]
+
+
+def fresh(name: str) -> Path:
+    """A new path under the sweep's temporary folder, `name` with a unique number."""
+    _n[0] += 1
+    return TMP / f"{name}-{_n[0]}"
+
+
+def tiny_docs() -> Path:
+    """A tiny JSONL corpus (12 documents), written once."""
+    p = TMP / "tiny-docs.jsonl"
+    if not p.exists():
+        p.write_text("".join(
+            json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 6 + f"Doc {i}."})
+            + "\n" for i in range(12)))
+    return p
 
 
 def damaged(edit: Callable[[Path], None], family: str = "llama") -> Path:

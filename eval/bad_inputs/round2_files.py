@@ -20,20 +20,16 @@ from eval.bad_inputs.framework import (
     _CACHE,
     TMP,
     Verdict,
-    _n,
     add2,
     cfg,
     damaged,
     ids,
     model,
 )
+from eval.bad_inputs.framework import fresh as _fresh
 
 FI = "files"
 
-
-def _fresh(name: str) -> Path:
-    _n[0] += 1
-    return TMP / f"{name}-{_n[0]}"
 
 
 # ---------------------------------------------------------------------------------------------

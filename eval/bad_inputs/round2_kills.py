@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import sparsekv
-from eval.bad_inputs.framework import ROOT, TMP, Verdict, _n, add2, cfg, ids, model
+from eval.bad_inputs.framework import ROOT, Verdict, add2, cfg, ids, model
+from eval.bad_inputs.framework import fresh as _fresh
 from eval.bad_inputs.round2_train import base_yaml
 
 KI = "kills"
@@ -30,10 +31,6 @@ PY = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
-
-def _fresh(name: str) -> Path:
-    _n[0] += 1
-    return TMP / f"{name}-{_n[0]}"
 
 
 def kill_when(argv: list[str], ready, timeout: float = 60.0, delay: float = 0.0) -> str:

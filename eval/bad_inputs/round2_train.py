@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from pathlib import Path
 
-from eval.bad_inputs.framework import _CACHE, TMP, Verdict, _n, add2
+from eval.bad_inputs.framework import _CACHE, TMP, Verdict, add2
+from eval.bad_inputs.framework import fresh as _fresh
+from eval.bad_inputs.framework import tiny_docs as docs
 
 TR = "train"
 
 
-def _fresh(name: str) -> Path:
-    _n[0] += 1
-    return TMP / f"{name}-{_n[0]}"
-
-
-def docs() -> Path:
-    """A tiny JSONL corpus (12 documents), written once."""
-    p = TMP / "train2-docs.jsonl"
-    if not p.exists():
-        p.write_text("".join(
-            json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 6 + f"Doc {i}."})
-            + "\n" for i in range(12)))
-    return p
 
 
 def base_yaml(extra: str = "") -> Path:

@@ -13,14 +13,11 @@ from pathlib import Path
 import torch
 
 import sparsekv
-from eval.bad_inputs.framework import _CACHE, TMP, Verdict, _n, adapter, add3, cfg, ids, model
+from eval.bad_inputs.framework import _CACHE, TMP, Verdict, adapter, add3, cfg, ids, model
+from eval.bad_inputs.framework import fresh as _fresh
 
 API = "api"
 
-
-def _fresh(name: str) -> Path:
-    _n[0] += 1
-    return TMP / f"{name}-{_n[0]}"
 
 
 class CharTokenizer:

@@ -15,24 +15,14 @@ import shutil
 from pathlib import Path
 
 import sparsekv
-from eval.bad_inputs.framework import _CACHE, TMP, Verdict, _n, add3, model
+from eval.bad_inputs.framework import _CACHE, TMP, Verdict, add3, model
+from eval.bad_inputs.framework import fresh as _fresh
+from eval.bad_inputs.framework import tiny_docs as docs
 from eval.bad_inputs.round3_api import saved_ctx
 
 FI = "files"
 
 
-def _fresh(name: str) -> Path:
-    _n[0] += 1
-    return TMP / f"{name}-{_n[0]}"
-
-
-def docs() -> Path:
-    p = TMP / "r3-docs.jsonl"
-    if not p.exists():
-        p.write_text("".join(
-            json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 6 + f"Doc {i}."})
-            + "\n" for i in range(12)))
-    return p
 
 
 def base_yaml(extra: str = "", dataset: Path | str | None = None) -> Path:

@@ -144,9 +144,8 @@ def _eval_fails(module_name: str, name: str, when, what: str) -> Verdict:
     from sparsekv.cli import main
     out = _fresh("r3-kill-eval")
     mod = importlib.import_module(module_name)
-    with failing(mod, name, when):
-        with contextlib.suppress(Exception):
-            quiet(main, [*GRID, "--out", str(out)])
+    with failing(mod, name, when), contextlib.suppress(Exception):
+        quiet(main, [*GRID, "--out", str(out)])
     rc = quiet(main, [*GRID, "--resume", "--out", str(out)])
     if rc != 0 or not (out / "results.jsonl").is_file():
         return Verdict("data loss", f"--resume after {what} exited {rc}")
@@ -186,9 +185,8 @@ def _new_folder_save(what: str) -> Verdict:
         def load():
             return sparsekv.CompressedContext.load(out, model()).num_tokens
     with failing(os, "rename", lambda a, n: Path(a[1]) == out), \
-            failing(os, "replace", lambda a, n: Path(a[1]) == out):
-        with contextlib.suppress(OSError):
-            save()
+            failing(os, "replace", lambda a, n: Path(a[1]) == out), contextlib.suppress(OSError):
+        save()
     if out.exists():
         try:
             load()
