@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -12,11 +11,11 @@ import sparsekv
 from eval.bad_inputs.framework import (
     _CACHE,
     TMP,
-    _n,
     adapter,
     adapter_dir,
     add,
     cfg,
+    edited_copy,
     ids,
     model,
 )
@@ -217,11 +216,7 @@ def _saved_ctx() -> Path:
 
 
 def _ctx_copy(edit) -> Path:
-    _n[0] += 1
-    folder = TMP / f"ctx-{_n[0]}"
-    shutil.copytree(_saved_ctx(), folder)
-    edit(folder)
-    return folder
+    return edited_copy(_saved_ctx(), "ctx", edit)
 
 
 def _ctx_file(folder: Path, suffix: str) -> Path:

@@ -226,13 +226,29 @@ def tiny_docs() -> Path:
     return p
 
 
-def damaged(edit: Callable[[Path], None], family: str = "llama") -> Path:
-    """A copy of the saved tiny adapter folder with `edit(folder)` applied."""
-    _n[0] += 1
-    folder = TMP / f"damaged-{_n[0]}"
-    shutil.copytree(adapter_dir(family), folder)
+def edited_copy(src: Path, name: str, edit: Callable[[Path], None]) -> Path:
+    """A fresh copy of the folder `src` (under the sweep's temporary folder, named after `name`)
+    with `edit(folder)` applied."""
+    folder = fresh(name)
+    shutil.copytree(src, folder)
     edit(folder)
     return folder
+
+
+def json_edit(filename: str, change: Callable[[dict], dict | None], indent: int | None = None):
+    """An `edit` for `edited_copy`: `change` the JSON file `filename` of the folder in place (it
+    mutates the dict, or returns the new one)."""
+    def edit(folder: Path) -> None:
+        p = folder / filename
+        d = json.loads(p.read_text())
+        new = change(d)
+        p.write_text(json.dumps(d if new is None else new, indent=indent))
+    return edit
+
+
+def damaged(edit: Callable[[Path], None], family: str = "llama") -> Path:
+    """A copy of the saved tiny adapter folder with `edit(folder)` applied."""
+    return edited_copy(adapter_dir(family), "damaged", edit)
 
 
 def cfg(**kw):

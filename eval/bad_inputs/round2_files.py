@@ -23,7 +23,9 @@ from eval.bad_inputs.framework import (
     add2,
     cfg,
     damaged,
+    edited_copy,
     ids,
+    json_edit,
     model,
 )
 from eval.bad_inputs.framework import fresh as _fresh
@@ -135,19 +137,11 @@ CX = "saved context"
 
 
 def _ctx_copy(edit) -> Path:
-    folder = _fresh("ctx-edit")
-    shutil.copytree(_saved_ctx(), folder)
-    edit(folder)
-    return folder
+    return edited_copy(_saved_ctx(), "ctx-edit", edit)
 
 
 def _edit_meta(change):
-    def edit(folder: Path) -> None:
-        p = folder / "context.json"
-        d = json.loads(p.read_text())
-        change(d)
-        p.write_text(json.dumps(d, indent=2))
-    return edit
+    return json_edit("context.json", change, indent=2)
 
 
 def _load_ctx(edit):

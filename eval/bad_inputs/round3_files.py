@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import sparsekv
-from eval.bad_inputs.framework import _CACHE, TMP, Verdict, add3, model
+from eval.bad_inputs.framework import _CACHE, TMP, Verdict, add3, edited_copy, json_edit, model
 from eval.bad_inputs.framework import fresh as _fresh
 from eval.bad_inputs.framework import tiny_docs as docs
 from eval.bad_inputs.round3_api import saved_ctx
@@ -57,19 +57,11 @@ def tiny_store() -> Path:
 
 
 def store_copy(edit) -> Path:
-    folder = _fresh("r3-store-edit")
-    shutil.copytree(tiny_store(), folder)
-    edit(folder)
-    return folder
+    return edited_copy(tiny_store(), "r3-store-edit", edit)
 
 
 def _meta(change):
-    def edit(folder: Path) -> None:
-        p = folder / "store.json"
-        d = json.loads(p.read_text())
-        new = change(d)
-        p.write_text(json.dumps(d if new is None else new))
-    return edit
+    return json_edit("store.json", change)
 
 
 def _drop(key):
