@@ -30,7 +30,12 @@ rows:
   a document's request holds when it ends (summed over vLLM's KV-cache groups, from the
   connector's records), `resident_predicted_hit` with the blocks a later question needs to hit
   (the context's full blocks in the full-attention group, the window's last
-  ceil((window - 1) / block) in each sliding one).
+  ceil((window - 1) / block) in each sliding one), and `resident_predicted_first_step` = 1 + what
+  fits beside the blocks a request takes at its first step (`blocks_first_step_per_doc`, from the
+  connector's `alloc` records: a prompt prefilled in one chunk takes blocks for the whole chunk in
+  every group, sliding ones included, and evicts that much of the prefix cache at once).
+  `--max-batched-tokens` sets the engine's prefill chunk (`max_num_batched_tokens`; vLLM's CPU
+  default is 4096), which bounds that first step.
 
 Timings on a shared machine are noisy; rows name the machine (`machine`) and the settings. Sized
 for a GPU: the same two commands with vLLM 0.32.0's CUDA build in the second environment and larger
@@ -112,29 +117,36 @@ def serve(args) -> int:
     from sparsekv.serving.vllm import ask_many, engine_kwargs, load_context
 
     base = Path(args.dir) / args.dtype
-    ans = json.loads((base / "answers" / "manifest.json").read_text())
+    ans = None
+    if "answers" in args.only:
+        ans = json.loads((base / "answers" / "manifest.json").read_text())
+    first_manifest = ans or json.loads(
+        (base / f"resident-{args.doc_lengths[0]}" / "manifest.json").read_text())
     out = Path(args.out)
     stats = out.with_suffix(".served.jsonl")
     stats.unlink(missing_ok=True)
     max_len = max([args.length, *args.doc_lengths]) + 256
     t0 = time.perf_counter()
-    llm = LLM(model=ans["model"], dtype=args.dtype, max_model_len=max_len, seed=0,
+    chunk = {"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
+    llm = LLM(model=first_manifest["model"], dtype=args.dtype, max_model_len=max_len, seed=0,
               kv_cache_memory_bytes=int(args.kv_space * 2**30), enforce_eager=args.eager,
-              **engine_kwargs(stats_path=stats))
+              **chunk, **engine_kwargs(stats_path=stats))
     start_s = time.perf_counter() - t0
     pool = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     setup = {"machine": machine(), "dtype": args.dtype, "kv_space_gib": args.kv_space,
              "vllm": __import__("vllm").__version__, "pool_blocks": pool,
              "engine_start_s": round(start_s, 1), "budget": args.budget, "schedule": "uniform",
-             "adapter": ans["adapter"], "max_new_tokens": args.max_new_tokens,
+             "adapter": first_manifest["adapter"], "max_new_tokens": args.max_new_tokens,
+             "max_num_batched_tokens":
+                 llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
              "torch_threads": __import__("torch").get_num_threads(), "eager": args.eager}
     greedy = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
 
     # ---- answers per second, one context, many questions
-    p = ans["prompts"][0]
-    rec = p["contexts"][f"{args.budget:g}"]
-    qs = [q["ids"] for q in p["questions"]]
-    if "answers" in args.only:
+    if ans is not None:
+        p = ans["prompts"][0]
+        rec = p["contexts"][f"{args.budget:g}"]
+        qs = [q["ids"] for q in p["questions"]]
         # compressed: a first question makes the context resident, then all in one batch
         t = time.perf_counter()
         ask_many(llm, rec["path"], qs[:1], greedy)
@@ -197,6 +209,9 @@ def serve(args) -> int:
                     ask(d)
                 first = _stats(stats)[before:]
                 held = [sum(r["held"]) for r in first if r["event"] == "finish"]
+                # the blocks a document's request takes at its first step (its prompt's first
+                # chunk, in every group): what its prefill evicts from the pool at once
+                peak = [sum(r["held"]) for r in first if r["event"] == "alloc"]
                 mark = len(_stats(stats))
                 resident = 0
                 for d in reversed(docs):
@@ -212,6 +227,7 @@ def serve(args) -> int:
                     resident += 1
                     mark = len(_stats(stats))
                 per_doc = sum(held) / max(1, len(held))
+                per_doc_peak = max(peak, default=0)
                 # the blocks a later question needs to hit: the context's full blocks in a
                 # full-attention group, the window's last cdiv(window - 1, block) in a sliding one
                 groups = next(r["groups"] for r in first if r["event"] == "finish")
@@ -225,6 +241,11 @@ def serve(args) -> int:
                                 "blocks_hit_per_doc": hit,
                                 "resident_predicted_held": math.floor(pool / per_doc),
                                 "resident_predicted_hit": math.floor(pool / hit),
+                                "blocks_first_step_per_doc": per_doc_peak,
+                                # the newest document plus those whose hit blocks fit beside
+                                # the newest one's first step
+                                "resident_predicted_first_step":
+                                    1 + math.floor(max(0, pool - per_doc_peak) / hit),
                                 "seconds": round(time.perf_counter() - t, 1)})
     return 0
 
@@ -245,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["serve"].add_argument("--out", required=True)
     sub.choices["serve"].add_argument("--kv-space", type=float, default=0.25,
                                       help="the KV-cache size, GiB (kv_cache_memory_bytes)")
+    sub.choices["serve"].add_argument("--max-batched-tokens", type=int, default=None,
+                                      help="the engine's max_num_batched_tokens (a prompt's "
+                                           "prefill chunk); default: vLLM's")
     sub.choices["serve"].add_argument("--eager", action="store_true",
                                       help="enforce_eager (no torch.compile warm-up)")
     for name in ("prepare", "serve"):

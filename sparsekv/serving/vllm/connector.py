@@ -209,18 +209,26 @@ class _SparseKVConnectorBase(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ):
         if num_external_tokens <= 0:
+            if self._stats_path:  # a plain prompt's first allocation (the benchmark's peak)
+                self._record_alloc(request, blocks, None, 0)
             return
         path = self._paths[request.request_id]
         k = load_context(path).num_slots
         self._pending[request.request_id] = (path, k - num_external_tokens, k)
+        self._record_alloc(request, blocks, path, num_external_tokens)
+
+    def _record_alloc(
+        self, request: Request, blocks: KVCacheBlocks, path: str | None, loaded: int
+    ) -> None:
+        ctx = load_context(path) if path is not None else None
         self._record(
             {
                 "event": "alloc",
                 "req_id": request.request_id,
                 "path": path,
-                "num_slots": k,
-                "num_tokens": load_context(path).num_tokens,
-                "loaded_slots": num_external_tokens,
+                "num_slots": ctx.num_slots if ctx is not None else None,
+                "num_tokens": ctx.num_tokens if ctx is not None else None,
+                "loaded_slots": loaded,
                 "prompt_len": len(request.prompt_token_ids or []),
                 # per KV-cache group: blocks of the request, and those that are not the null
                 # block (a sliding window's skipped blocks are null), after the prompt's alloc
