@@ -209,8 +209,8 @@ class _SparseKVConnectorBase(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ):
         if num_external_tokens <= 0:
-            if self._stats_path:  # a plain prompt's first allocation (the benchmark's peak)
-                self._record_alloc(request, blocks, None, 0)
+            if self._stats_path:  # a plain prompt, or a context wholly in the prefix cache
+                self._record_alloc(request, blocks, self._paths.get(request.request_id), 0)
             return
         path = self._paths[request.request_id]
         k = load_context(path).num_slots
