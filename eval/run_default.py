@@ -1,5 +1,7 @@
-"""The whole default pipeline in one command: train the shipped recipe for gemma-3-270m on the
-CPU, then run the generalize grid (the headline grid: evaluation-only text, every task family,
+"""The whole default pipeline in one command: train the quick recipe for gemma-3-270m on the
+CPU (60 sequences of 1,024 tokens: the head shipped before issue 34, now
+`checkpoints/gemma3-270m-sparsekv-quick`; the shipped head's store recipe needs a teacher store of
+~4 h, docs/teacher-store.md), then run the generalize grid (the headline grid: evaluation-only text, every task family,
 both protocols, the new head against the heuristics and the peers), writing the table and plots.
 
     python eval/run_default.py                          # train + the grid, 2 samples at 1K, quick
@@ -7,7 +9,7 @@ both protocols, the new head against the heuristics and the peers), writing the 
     python eval/run_default.py --samples 30 --length 4096 --budgets 0.1,0.2,0.3 --resume
                                                         # the full grid of generalize-4k.yaml
 
-Stage 1 trains `configs/train/gemma3-270m-cpu.yaml` (the shipped recipe) into
+Stage 1 trains `configs/train/gemma3-270m-cpu.yaml` (the quick recipe) into
 `checkpoints/<run>/` (resumes if interrupted: `resume=auto`). Stage 2 runs
 `configs/eval/generalize-4k.yaml` with the shipped head replaced by the new one, on the config's
 seed: by default 2 samples per task at 1,024 tokens and budget 0.3 (measured 23 min 52 s on 2

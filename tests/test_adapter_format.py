@@ -19,8 +19,14 @@ SHIPPED = {  # fingerprints taken from the format-1 folders before the conversio
     "gemma3-270m-sparsekv-questions": (
         "e419b6e0b0c572000c9862ea44afd8b475760fe5cd48b3b2de89cc0fa5ba2c92"
     ),
-    # the shipped head since (configs/train/gemma3-270m-cpu.yaml), trained in format 2
-    "gemma3-270m-sparsekv": "56f3fce47a9170259422c1ac7fe77188530e98419ca34798833d355faab5addd",
+    # the head shipped from then until issue 34 (configs/train/gemma3-270m-cpu.yaml, the quick
+    # recipe; renamed, same weights): the seed-7 report grid's head
+    "gemma3-270m-sparsekv-quick": (
+        "56f3fce47a9170259422c1ac7fe77188530e98419ca34798833d355faab5addd"
+    ),
+    # the shipped head since issue 34: the store recipe over 2,500 store rows, head seed 2
+    # (configs/train/gemma3-270m-store.yaml; the same weights as gemma3-270m-sparsekv-store2500-s2)
+    "gemma3-270m-sparsekv": "e18027c3c6907a159ce340781c16d97b99bf8d3a171338cb85d8e80de1f58168",
     "gemma3-270m-sparsekv-perlayer": (
         "7de70436b1de53a47c5cadf0aa420caec9b835d52ebfafa2a8793de4f930d5d8"
     ),
