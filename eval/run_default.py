@@ -1,8 +1,9 @@
 """The whole default pipeline in one command: train the quick recipe for gemma-3-270m on the
 CPU (60 sequences of 1,024 tokens: the head shipped before issue 34, now
-`checkpoints/gemma3-270m-sparsekv-quick`; the shipped head's store recipe needs a teacher store of
-~4 h, docs/teacher-store.md), then run the generalize grid (the headline grid: evaluation-only text, every task family,
-both protocols, the new head against the heuristics and the peers), writing the table and plots.
+`checkpoints/gemma3-270m-sparsekv-quick`; the shipped head's store recipe needs a teacher store
+of ~4 h, docs/teacher-store.md), then run the generalize grid (the headline grid:
+evaluation-only text, every task family, both protocols, the new head against the heuristics
+and the peers), writing the table and plots.
 
     python eval/run_default.py                          # train + the grid, 2 samples at 1K, quick
     python eval/run_default.py --skip-train             # the grid with the shipped adapter
