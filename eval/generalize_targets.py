@@ -1,6 +1,9 @@
 """The targets of the report grid, judged from its rows: issue 15 (the learned head on unseen
-text and families), issue 17 (against KVzip, with the KVzap-style head beside it) and issue 19
-(the LoRA row), each as the issue words it, with paired bootstrap intervals.
+text and families), issue 17 (against KVzip, with the KVzap-style head beside it), issue 19
+(the LoRA row) and issue 34 (the store-trained head: the share at 0.1 too, the lowest mean KL at
+every budget, aware against SnapKV / PyramidKV at every budget), each as the issue words it, with
+paired bootstrap intervals. Issue 34's seed spread is judged from the seeds grid
+(`eval/seed_spread.py`, docs/results/store2500-seeds-s13), not from these rows.
 
     python eval/generalize_targets.py                            # docs/results/generalize-4k
     python eval/generalize_targets.py --out docs/results/generalize-4k --budget 0.3
@@ -40,6 +43,7 @@ from sparsekv.io import write_atomic
 RESAMPLES = 2000
 SHARE_FLOOR = 0.30  # issue 15: families the full cache answers at least this often
 SHARE_TARGET = 0.90  # issue 15: agnostic share of the full cache at the target budget
+LOW_BUDGET, LOW_TARGET = 0.1, 0.80  # issue 34: agnostic share at the lowest budget
 KVZIP_GAP = 0.10  # issue 17: no family more than 10 points below KVzip
 LEARNED, LORA, KVZIP, KVZAP = "learned", "learned + LoRA", "kvzip", "kvzap"
 AWARE_RIVALS = ("snapkv", "pyramidkv")
@@ -345,6 +349,74 @@ def judge(grid: Grid, budget: float, learned: str = LEARNED) -> tuple[list[str],
     return out, verdicts
 
 
+def judge_34(grid: Grid, learned: str = LEARNED) -> tuple[list[str], dict[str, Any]]:
+    """Issue 34's targets on the report grid: agnostic, the learned head keeps >= 90% of the full
+    cache at 0.3 and >= 80% at 0.1 on every family the full cache answers >= 30% of the time; the
+    lowest mean KL at every budget; aware >= the better of SnapKV and PyramidKV on every family at
+    every budget. A budget the grid does not hold is judged n/a."""
+    out: list[str] = ["## Issue 34: every budget", ""]
+    verdicts: dict[str, Any] = {}
+    fams = [t for t in grid.answer_tasks()
+            if grid.full("agnostic", t) and mean(grid.full("agnostic", t)) >= SHARE_FLOOR]
+    budgets = sorted({k[2] for k in grid.cells if k[0] == "agnostic" and k[1] == learned})
+    out.append(f"Agnostic share of the full cache per family counted (full cache >= {SHARE_FLOOR:.0%}); "
+               f"targets: >= {SHARE_TARGET:.0%} at 0.3, >= {LOW_TARGET:.0%} at {LOW_BUDGET}.")
+    out.append("")
+    out.append("| family | " + " | ".join(f"{learned} @ {b}" for b in budgets) + " |")
+    out.append("|---|" + "---|" * len(budgets))
+    shares: dict[float, list] = {b: [] for b in budgets}
+    for t in fams:
+        cells = []
+        for b in budgets:
+            p, lo, hi = share(grid.paired("agnostic", t, (learned, b), (REFERENCE, 1.0)))
+            shares[b].append((t, p))
+            cells.append(_pct(p) + _iv(lo, hi))
+        out.append(f"| {t} | " + " | ".join(cells) + " |")
+    out.append("")
+    for key, b, goal in (("34_share_0.3", 0.3, SHARE_TARGET), ("34_share_0.1", LOW_BUDGET, LOW_TARGET)):
+        res = shares.get(b, [])
+        missed = [(t, p) for t, p in res if not (p >= goal)]
+        verdicts[key] = None if not res else not missed
+        verdicts[key + "_missed"] = missed
+        out.append(f"Verdict at {b} (>= {goal:.0%}): {_verdict(verdicts[key])}"
+                   + ("; below on " + ", ".join(f"{t} ({_pct(p)})" for t, p in missed) if missed else "")
+                   + ".")
+    out.append("")
+    all_b = sorted({k[2] for k in grid.cells if k[0] == "agnostic" and k[1] != REFERENCE})
+    for b in all_b:
+        ranked = []
+        for m in grid.methods("agnostic"):
+            vals = [grid.kl("agnostic", m, b, t)[0] for t in grid.tasks]
+            if vals and not any(math.isnan(v) for v in vals):
+                ranked.append((sum(vals) / len(vals), m))
+        ranked.sort()
+        mine = next((v for v, m in ranked if m == learned), float("nan"))
+        verdicts[f"34_kl_{b}"] = None if not ranked else ranked[0][1] == learned
+        out.append(f"Lowest mean KL at {b}: {_verdict(verdicts[f'34_kl_{b}'])} ({learned} "
+                   + ("-" if math.isnan(mine) else f"{mine:.3g}")
+                   + (f"; lowest {ranked[0][1]} {ranked[0][0]:.3g}" if ranked else "") + ").")
+    out.append("")
+    aware_b = sorted({k[2] for k in grid.cells if k[0] == "aware" and k[1] == learned})
+    for b in aware_b:
+        below, judged = [], 0
+        for t in grid.answer_tasks():
+            acc = {m: mean([float(r["score"]) for r in grid.cells.get(("aware", m, b, t), {}).values()])
+                   for m in (learned, *AWARE_RIVALS)}
+            rivals = [acc[m] for m in AWARE_RIVALS if not math.isnan(acc[m])]
+            if math.isnan(acc[learned]) or not rivals:
+                continue
+            judged += 1
+            if acc[learned] < max(rivals):
+                below.append((t, acc[learned] - max(rivals)))
+        verdicts[f"34_aware_{b}"] = None if not judged else not below
+        out.append(f"Aware >= the better of SnapKV and PyramidKV at {b}: "
+                   f"{_verdict(verdicts[f'34_aware_{b}'])}"
+                   + ("; below on " + ", ".join(f"{t} ({_pts(d)} points)" for t, d in below)
+                      if below else "") + ".")
+    out.append("")
+    return out, verdicts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="docs/results/generalize-4k", help="the grid's results folder")
@@ -360,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--learned {args.learned!r}: no agnostic rows of that label in {folder}; "
                          f"labels: {', '.join(grid.methods('agnostic'))}")
     lines, _ = judge(grid, args.budget, args.learned)
+    lines += judge_34(grid, args.learned)[0]
     cfg_path = folder / "config.yaml"
     cfg = yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else {}
     asked, cfg_seed = cfg.get("samples"), cfg.get("seed")

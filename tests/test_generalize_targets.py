@@ -104,3 +104,50 @@ def test_another_setting_of_the_head_is_judged_by_its_label(tmp_path):
     assert "--learned 'learned, fill 16'" in (out / "targets.md").read_text()
     with pytest.raises(SystemExit, match="labels: learned, learned, fill 16"):
         T.main(["--out", str(out), "--learned", "learned, fill 99"])
+
+
+def _grid34(low_qa: float, kl_low: float, aware_low_qa: float):
+    """Budgets 0.1 and 0.3; the learned head's qa at 0.1 (agnostic / aware) and its KL at 0.1
+    are the knobs; at 0.3 it meets every target."""
+    rows = []
+    for i in range(5):
+        for protocol in ("agnostic", "aware"):
+            for task in ("passkey", "qa"):
+                rows.append(_row(task, protocol, "full", 1.0, i, 1.0, kl=0.0))
+                for b in (0.1, 0.3):
+                    rows.append(_row(task, protocol, "snapkv", b, i, 0.7, kl=0.5))
+                    rows.append(_row(task, protocol, "pyramidkv", b, i, 0.4, kl=0.5))
+                    low = task == "qa" and b == 0.1
+                    qa = (low_qa if protocol == "agnostic" else aware_low_qa) if low else 1.0
+                    rows.append(_row(task, protocol, "learned", b, i, qa if i < 2 else 1.0,
+                                     kl=kl_low if b == 0.1 else 0.1))
+            rows.append(_row("ppl", protocol, "full", 1.0, i, 0.5, kl=0.0))
+            for m in ("snapkv", "pyramidkv", "learned"):
+                for b in (0.1, 0.3):
+                    rows.append(_row("ppl", protocol, m, b, i, 0.5,
+                                     kl=kl_low if (m == "learned" and b == 0.1) else 0.3))
+    return T.Grid(rows)
+
+
+def test_issue34_every_budget_met_and_missed():
+    _, v = T.judge_34(_grid34(low_qa=1.0, kl_low=0.2, aware_low_qa=1.0))
+    assert v["34_share_0.3"] is True and v["34_share_0.1"] is True
+    assert v["34_kl_0.1"] is True and v["34_kl_0.3"] is True
+    assert v["34_aware_0.1"] is True and v["34_aware_0.3"] is True
+    # qa at 0.1 answered on 3 of 5 prompts (60% < 80%), KL above the rivals', aware below SnapKV
+    lines, v = T.judge_34(_grid34(low_qa=0.0, kl_low=0.9, aware_low_qa=0.0))
+    assert v["34_share_0.3"] is True and v["34_share_0.1"] is False
+    assert v["34_share_0.1_missed"] == [("qa", 0.6)]
+    assert v["34_kl_0.1"] is False and v["34_kl_0.3"] is True
+    assert v["34_aware_0.1"] is False and v["34_aware_0.3"] is True
+    assert any("below on qa (60%)" in line for line in lines)
+    assert any("below on qa (-" in line and "at 0.1" in line for line in lines)
+
+
+def test_issue34_section_in_targets_md(tmp_path):
+    g = _grid34(1.0, 0.2, 1.0)
+    rows = [r for cell in g.cells.values() for r in cell.values()]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert T.main(["--out", str(tmp_path)]) == 0
+    text = (tmp_path / "targets.md").read_text()
+    assert "## Issue 34: every budget" in text and "Verdict at 0.1 (>= 80%): **met**" in text
