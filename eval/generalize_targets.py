@@ -100,6 +100,24 @@ class Grid:
         vals = [float(r["kl"]) for r in rows if r.get("kl") is not None and not math.isnan(float(r["kl"]))]
         return mean(vals), len(vals), len(rows) - len(vals)
 
+    def counted(self, t: str) -> bool:
+        """Whether family `t` counts for the share targets: the agnostic full cache answers it at
+        least SHARE_FLOOR of the time."""
+        fa = self.full("agnostic", t)
+        return bool(fa) and mean(fa) >= SHARE_FLOOR
+
+    def mean_kl(self, protocol: str, method: str, budget: float) -> tuple[float, int]:
+        """(mean over the tasks of each task's mean KL, nan unless every task has one; rows
+        without a KL)."""
+        vals = [self.kl(protocol, method, budget, t) for t in self.tasks]
+        good = [v[0] for v in vals if not math.isnan(v[0])]
+        missing = sum(v[2] for v in vals)
+        return (sum(good) / len(good) if good and len(good) == len(self.tasks) else float("nan"),
+                missing)
+
+    def accuracy(self, protocol: str, method: str, budget: float, t: str) -> float:
+        return mean([float(r["score"]) for r in self.cells.get((protocol, method, budget, t), {}).values()])
+
     def methods(self, protocol: str) -> list[str]:
         seen: dict[str, None] = {}
         for k in self.cells:
@@ -199,9 +217,8 @@ def judge(grid: Grid, budget: float, learned: str = LEARNED) -> tuple[list[str],
     out.append("|---|---|" + "---|" * len(cols) + "---|")
     ok15a, eligible = [], []
     for t in fams:
-        fa = grid.full("agnostic", t)
-        acc = mean(fa)
-        counts = bool(fa) and acc >= SHARE_FLOOR
+        acc = mean(grid.full("agnostic", t))
+        counts = grid.counted(t)
         cells = []
         for c in cols:
             p, lo, hi = share(grid.paired("agnostic", t, (c, budget), (REFERENCE, 1.0)))
@@ -226,13 +243,7 @@ def judge(grid: Grid, budget: float, learned: str = LEARNED) -> tuple[list[str],
     kl_rows = []
     budgets = sorted({k[2] for k in grid.cells if k[0] == "agnostic" and k[1] != REFERENCE})
     for m in grid.methods("agnostic"):
-        per_b = []
-        for b in budgets:
-            vals = [grid.kl("agnostic", m, b, t) for t in grid.tasks]
-            good = [v[0] for v in vals if not math.isnan(v[0])]
-            missing = sum(v[2] for v in vals)
-            per_b.append((sum(good) / len(good) if len(good) == len(grid.tasks) else float("nan"), missing))
-        kl_rows.append((m, per_b))
+        kl_rows.append((m, [grid.mean_kl("agnostic", m, b) for b in budgets]))
     out.append("| method | " + " | ".join(f"mean KL @ {b}" for b in budgets) + " |")
     out.append("|---|" + "---|" * len(budgets) + "")
     at = budgets.index(budget) if budget in budgets else None
@@ -264,10 +275,7 @@ def judge(grid: Grid, budget: float, learned: str = LEARNED) -> tuple[list[str],
     for b in aware_budgets:
         ok15c[b] = []
         for t in fams:
-            accs = {}
-            for m in (LEARNED, *AWARE_RIVALS):
-                rs = grid.cells.get(("aware", m, b, t), {})
-                accs[m] = mean([float(r["score"]) for r in rs.values()])
+            accs = {m: grid.accuracy("aware", m, b, t) for m in (LEARNED, *AWARE_RIVALS)}
             fw = grid.full("aware", t)
             rivals = [m for m in AWARE_RIVALS if not math.isnan(accs[m])]
             if math.isnan(accs[LEARNED]) or not rivals:
@@ -356,8 +364,7 @@ def judge_34(grid: Grid, learned: str = LEARNED) -> tuple[list[str], dict[str, A
     every budget. A budget the grid does not hold is judged n/a."""
     out: list[str] = ["## Issue 34: every budget", ""]
     verdicts: dict[str, Any] = {}
-    fams = [t for t in grid.answer_tasks()
-            if grid.full("agnostic", t) and mean(grid.full("agnostic", t)) >= SHARE_FLOOR]
+    fams = [t for t in grid.answer_tasks() if grid.counted(t)]
     budgets = sorted({k[2] for k in grid.cells if k[0] == "agnostic" and k[1] == learned})
     out.append(f"Agnostic share of the full cache per family counted (full cache >= {SHARE_FLOOR:.0%}); "
                f"targets: >= {SHARE_TARGET:.0%} at 0.3, >= {LOW_TARGET:.0%} at {LOW_BUDGET}.")
@@ -384,12 +391,8 @@ def judge_34(grid: Grid, learned: str = LEARNED) -> tuple[list[str], dict[str, A
     out.append("")
     all_b = sorted({k[2] for k in grid.cells if k[0] == "agnostic" and k[1] != REFERENCE})
     for b in all_b:
-        ranked = []
-        for m in grid.methods("agnostic"):
-            vals = [grid.kl("agnostic", m, b, t)[0] for t in grid.tasks]
-            if vals and not any(math.isnan(v) for v in vals):
-                ranked.append((sum(vals) / len(vals), m))
-        ranked.sort()
+        ranked = sorted((v, m) for m in grid.methods("agnostic")
+                        if not math.isnan(v := grid.mean_kl("agnostic", m, b)[0]))
         mine = next((v for v, m in ranked if m == learned), float("nan"))
         verdicts[f"34_kl_{b}"] = None if not ranked else ranked[0][1] == learned
         out.append(f"Lowest mean KL at {b}: {_verdict(verdicts[f'34_kl_{b}'])} ({learned} "
@@ -400,8 +403,7 @@ def judge_34(grid: Grid, learned: str = LEARNED) -> tuple[list[str], dict[str, A
     for b in aware_b:
         below, judged = [], 0
         for t in grid.answer_tasks():
-            acc = {m: mean([float(r["score"]) for r in grid.cells.get(("aware", m, b, t), {}).values()])
-                   for m in (learned, *AWARE_RIVALS)}
+            acc = {m: grid.accuracy("aware", m, b, t) for m in (learned, *AWARE_RIVALS)}
             rivals = [acc[m] for m in AWARE_RIVALS if not math.isnan(acc[m])]
             if math.isnan(acc[learned]) or not rivals:
                 continue
