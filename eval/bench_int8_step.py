@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `eval` as a package
 from eval.bench_gpu import SHAPES, bench_policy, build_model, check_counts, report
-
 from sparsekv import EvictionConfig, SparseKVCache
 from sparsekv.models.default import resolve_dtype
 

@@ -35,7 +35,6 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `eval` as a package
 from eval.bench_gpu import SHAPES, bench_policy, check_counts, report
-
 from sparsekv import EvictionConfig, SparseKVCache
 from sparsekv.cache import static as static_layer
 from sparsekv.models.default import resolve_dtype

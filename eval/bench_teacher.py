@@ -29,7 +29,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `eval` as a package
 from eval.bench_gpu import SHAPES, Meter, build_model, write_rows  # noqa: E402
-
 from sparsekv.models.default import resolve_dtype  # noqa: E402
 from sparsekv.models.families import model_shape  # noqa: E402
 from sparsekv.teacher.statistics import attention_received, teacher_targets  # noqa: E402

@@ -44,13 +44,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
 
 from eval.bad_inputs import adapter_files, api, eval_cli, train_config  # noqa: E402,F401  (registers the cases, in this order)
-from eval.bad_inputs.framework import (
+from eval.bad_inputs.framework import (  # noqa: E402
     CASES,
     OUTCOMES,
     SURFACES,

@@ -24,19 +24,18 @@ _LAZY = {
 
 __all__ = list(_LAZY) + ["__version__"]
 
-if TYPE_CHECKING:  # pragma: no cover
-    from sparsekv import policies
-    from sparsekv.cache import SparseKVCache
-    from sparsekv.config import EvictionConfig
-    from sparsekv.models.default import default_model_path, load_default_model
-    from sparsekv.models.families import model_shape
-    from sparsekv.scoring.adapter import ScorerAdapter
-    from sparsekv.serving.compressed import (
-        CompressedContext,
-        TextContext,
-        compress,
-        compress_text,
-    )
+if TYPE_CHECKING:  # pragma: no cover  (re-exports: `X as X` marks each as public)
+    from sparsekv import policies as policies
+    from sparsekv.cache import SparseKVCache as SparseKVCache
+    from sparsekv.config import EvictionConfig as EvictionConfig
+    from sparsekv.models.default import default_model_path as default_model_path
+    from sparsekv.models.default import load_default_model as load_default_model
+    from sparsekv.models.families import model_shape as model_shape
+    from sparsekv.scoring.adapter import ScorerAdapter as ScorerAdapter
+    from sparsekv.serving.compressed import CompressedContext as CompressedContext
+    from sparsekv.serving.compressed import TextContext as TextContext
+    from sparsekv.serving.compressed import compress as compress
+    from sparsekv.serving.compressed import compress_text as compress_text
 
 
 def __getattr__(name: str) -> Any:

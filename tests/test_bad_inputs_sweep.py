@@ -83,7 +83,9 @@ def test_classifier(sweep):
             raise exc
         return fn
 
-    mk = lambda fn, names, cli=False, warn_ok=False: sweep.Case("api", "g", "n", fn, names, cli, warn_ok)
+    def mk(fn, names, cli=False, warn_ok=False):
+        return sweep.Case("api", "g", "n", fn, names, cli, warn_ok)
+
     assert sweep.classify(mk(boom(ValueError("window=0 bad")), ("window",))).outcome == "clear"
     assert sweep.classify(mk(boom(ValueError("bad value")), ("window",))).outcome == "unclear"
     assert sweep.classify(mk(boom(KeyError("window")), ("window",))).outcome == "unclear"

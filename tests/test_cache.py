@@ -181,7 +181,7 @@ def test_kv_bytes_counts_tensors_and_drops():
     sparse = SparseKVCache(model, EvictionConfig(budget=0.25), "snapkv")
     model(input_ids=ids, cache=sparse)
     for cache in (full, sparse):
-        expected = sum(l.keys.numel() * l.keys.element_size() * 2 for l in cache.layers)
+        expected = sum(lay.keys.numel() * lay.keys.element_size() * 2 for lay in cache.layers)
         assert cache.kv_bytes() == expected
     assert full.layer_lengths() == [512] * 4
     assert sparse.layer_lengths() == [128] * 4
@@ -270,7 +270,7 @@ def test_decode_is_incremental_with_slack_and_reranks():
         lengths.append(cache.layer_lengths()[0])
     cap = [-(-(41 + t) // 2) for t in range(8)]
     assert lengths[3] == cap[3] and lengths[7] == cap[7]  # re-ranks at steps 4 and 8
-    assert all(l <= c + 3 for l, c in zip(lengths, cap))
+    assert all(n <= c + 3 for n, c in zip(lengths, cap))
     assert lengths[1] > cap[1]  # incremental: within the slack nothing is evicted
 
 

@@ -12,8 +12,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sparsekv.configfile import field_docs
-from train.config import TrainConfig, load_config
+from sparsekv.configfile import field_docs  # noqa: E402
+from train.config import TrainConfig, load_config  # noqa: E402
 
 TRAIN = sorted((ROOT / "configs" / "train").glob("*.yaml"))
 ACCEL = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))

@@ -82,9 +82,10 @@ def test_eval_takes_the_hub_model_ids_that_train_and_adapters_take():
 @pytest.mark.integration
 def test_one_call_pipeline_answers_like_compress_text(default_model):
     """`pipeline("sparsekv-text-generation")` is compress_text + ask(_many) in one call."""
+    from transformers import pipeline
+
     import sparsekv
     from sparsekv.serving import pipeline as sk_pipeline  # registers the task
-    from transformers import pipeline
 
     model, tok = default_model
     pipe = pipeline(sk_pipeline.TASK, model=model, tokenizer=tok)

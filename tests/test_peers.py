@@ -67,7 +67,9 @@ def _layer_qkv(model, ids: torch.Tensor, layer: int):
         if hasattr(mod, "q_norm"):
             q, k = mod.q_norm(q), mod.k_norm(k)
     cos, sin = cos[0], sin[0]
-    rot = lambda x: x * cos + _rotate_half(x) * sin
+    def rot(x):
+        return x * cos + _rotate_half(x) * sin
+
     return rot(q), rot(k), v, q
 
 

@@ -21,12 +21,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import math
+import math  # noqa: E402
 
-from train import checkpoint as ckpt
-from train.config import load_config
-from train.data import BlockDataset, load_texts, tokenize_blocks
-from train.models import ByteTokenizer, load_model
+from train import checkpoint as ckpt  # noqa: E402
+from train.config import load_config  # noqa: E402
+from train.data import BlockDataset, load_texts, tokenize_blocks  # noqa: E402
+from train.models import ByteTokenizer, load_model  # noqa: E402
 
 TINY = "configs/train/tiny-cpu.yaml"
 # tiny:llama: 4 full-attention layers, hidden 64, 2 KV heads; MLP head of width 16 per layer:

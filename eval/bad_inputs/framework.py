@@ -25,12 +25,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import torch
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-import sparsekv
-from sparsekv.models.tiny import tiny_model
+import sparsekv  # noqa: E402
+from sparsekv.models.tiny import tiny_model  # noqa: E402
 
 CLEAR_TYPES = (ValueError, TypeError, FileNotFoundError)
 SURFACES = ("api", "adapter files", "train config", "eval cli")

@@ -384,7 +384,9 @@ def teacher_targets(
         )
     shape = model_shape(model)
     layers = list(default_layers(model) if layers is None else layers)
-    needed = sorted({s for l in layers for s in source_layers(l, target, shape.layer_types)})
+    needed = sorted(
+        {s for layer in layers for s in source_layers(layer, target, shape.layer_types)}
+    )
     stats = collect_attention_stats(
         model, input_ids, attention_mask, target, block_size, layers=needed, hidden_layers=layers
     )

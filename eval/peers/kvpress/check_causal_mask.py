@@ -55,7 +55,7 @@ with torch.no_grad():
             ).logits[0, -1]
         )
 steps = torch.stack(steps)
-import transformers
+import transformers  # noqa: E402
 
 print(
     transformers.__version__,

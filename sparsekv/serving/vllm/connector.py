@@ -42,14 +42,14 @@ from sparsekv.serving.vllm import _patch_vllm_0_32 as _patch
 
 _patch.check_version()
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
 
-from sparsekv.serving.vllm.context import SALT_PREFIX, load_context
+from sparsekv.serving.vllm.context import SALT_PREFIX, load_context  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
