@@ -5,7 +5,11 @@ test instead of loading scripts by path."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("sparsekv", "train", "data", "eval")
@@ -155,17 +159,9 @@ def test_ruff_finds_nothing_under_the_projects_own_rules():
     """`ruff check .` with the rules pyproject.toml names (pyflakes, pycodestyle's errors, import
     order) is clean: an unused import or an unsorted import block fails here, not in a user's
     editor."""
-    import shutil
-    import subprocess
-    import sys
-
-    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
-    if not Path(ruff).exists():
-        import pytest
-
-        pytest.skip("ruff is not installed (pip install -e '.[dev]')")
+    pytest.importorskip("ruff", reason="ruff is not installed (pip install -e '.[dev]')")
     out = subprocess.run(
-        [ruff, "check", "--no-cache", "--output-format", "concise", "."],
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -19,11 +19,11 @@ def _section(text: str, title: str) -> str:
 
 def _table(block: str) -> tuple[list[str], list[list[str]]]:
     """The first markdown table of a block: header cells and body rows."""
-    lines = [ln for ln in block.splitlines() if ln.startswith("|")]
-    assert len(lines) >= 3, "no table in the section"
-    first = block.splitlines().index(lines[0])
+    lines = block.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("|")), None)
+    assert start is not None, "no table in the section"
     rows = []
-    for ln in block.splitlines()[first:]:
+    for ln in lines[start:]:
         if not ln.startswith("|"):
             break
         rows.append([c.strip() for c in ln.strip().strip("|").split("|")])
