@@ -20,13 +20,13 @@ def _section(text: str, title: str) -> str:
 def _table(block: str) -> tuple[list[str], list[list[str]]]:
     """The first markdown table of a block: header cells and body rows."""
     lines = block.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("|")), None)
-    assert start is not None, "no table in the section"
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("|")), len(lines))
     rows = []
     for ln in lines[start:]:
         if not ln.startswith("|"):
             break
         rows.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    assert len(rows) >= 3, "no table (header, rule and at least one row) in the section"
     header, _rule, *body = rows
     return header, body
 
