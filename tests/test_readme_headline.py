@@ -40,7 +40,9 @@ def _headline() -> tuple[str, list[str], list[list[str]]]:
 def _report_grid(section: str) -> Path:
     seed = re.search(r"\*\*report seed (\d+)\*\*", section)
     assert seed, "the headline names its report seed in bold"
-    linked = re.findall(r"\]\((docs/results/[^)/]+)/README\.md\)", section)
+    # The grid the headline is drawn from is the one whose row count it states ("(N rows, [..](..))");
+    # other grids may be linked beside it (e.g. a seed-spread grid on the same seed).
+    linked = re.findall(r"\([\d,]+ rows, \[[^\]]*\]\((docs/results/[^)/]+)/README\.md\)", section)
     grids = [
         ROOT / d
         for d in linked

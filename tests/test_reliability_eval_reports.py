@@ -263,3 +263,28 @@ def test_the_quick_heads_card_holds_the_seed7_report_grids_headline():
         if r.metric_type == "share_of_full_cache"
     }
     assert shares["passkey"] == 1.5 and round(shares["all"], 2) == 0.97
+
+
+def test_the_shipped_heads_card_holds_the_seed13_report_grids_headline():
+    from huggingface_hub import EvalResult, ModelCard
+
+    from sparsekv import ScorerAdapter
+    from sparsekv.evaluation.reports import card
+    from sparsekv.scoring.card import headline_eval_results
+
+    root = Path(__file__).resolve().parents[1]
+    shipped = root / "checkpoints" / "gemma3-270m-sparsekv"  # the store-trained head
+    head = card.headline(root / "docs" / "results" / "generalize-4k-s13")
+    assert (
+        head["adapter_hash"] == "e18027c3c6907a159ce340781c16d97b99bf8d3a171338cb85d8e80de1f58168"
+    )
+    assert head["seed"] == 13 and head["samples"] == 30
+    assert ScorerAdapter.from_pretrained(shipped).fingerprint() == head["adapter_hash"]
+    data = ModelCard((shipped / "README.md").read_text()).data
+    assert data.eval_results == [EvalResult(**r) for r in headline_eval_results(head)]
+    shares = {
+        r.dataset_config: r.metric_value
+        for r in data.eval_results
+        if r.metric_type == "share_of_full_cache"
+    }
+    assert round(shares["qa"], 2) == 0.39 and round(shares["all"], 2) == 0.91
