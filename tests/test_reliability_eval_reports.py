@@ -241,7 +241,9 @@ def test_the_card_carries_the_grids_headline_as_model_index_and_round_trips(tmp_
     assert "ran budgets 0.1, 0.3, not 0.5" in capsys.readouterr().err
 
 
-def test_the_quick_heads_card_holds_the_seed7_report_grids_headline():
+def _card_shares(adapter: str, grid: str, adapter_hash: str) -> tuple[dict, dict[str, float]]:
+    """Checks that a committed adapter's card holds its report grid's headline (the grid ran that
+    adapter, whose fingerprint is `adapter_hash`); returns the headline and the card's shares."""
     from huggingface_hub import EvalResult, ModelCard
 
     from sparsekv import ScorerAdapter
@@ -249,42 +251,34 @@ def test_the_quick_heads_card_holds_the_seed7_report_grids_headline():
     from sparsekv.scoring.card import headline_eval_results
 
     root = Path(__file__).resolve().parents[1]
-    shipped = root / "checkpoints" / "gemma3-270m-sparsekv-quick"  # the seed-7 grid's head
-    head = card.headline(root / "docs" / "results" / "generalize-4k")
-    assert (
-        head["adapter_hash"] == "56f3fce47a9170259422c1ac7fe77188530e98419ca34798833d355faab5addd"
-    )
-    assert ScorerAdapter.from_pretrained(shipped).fingerprint() == head["adapter_hash"]
-    data = ModelCard((shipped / "README.md").read_text()).data
+    folder = root / "checkpoints" / adapter
+    head = card.headline(root / "docs" / "results" / grid)
+    assert head["adapter_hash"] == adapter_hash
+    assert ScorerAdapter.from_pretrained(folder).fingerprint() == head["adapter_hash"]
+    data = ModelCard((folder / "README.md").read_text()).data
     assert data.eval_results == [EvalResult(**r) for r in headline_eval_results(head)]
     shares = {
         r.dataset_config: r.metric_value
         for r in data.eval_results
         if r.metric_type == "share_of_full_cache"
     }
+    return head, shares
+
+
+def test_the_quick_heads_card_holds_the_seed7_report_grids_headline():
+    _, shares = _card_shares(  # the seed-7 grid's head
+        "gemma3-270m-sparsekv-quick",
+        "generalize-4k",
+        "56f3fce47a9170259422c1ac7fe77188530e98419ca34798833d355faab5addd",
+    )
     assert shares["passkey"] == 1.5 and round(shares["all"], 2) == 0.97
 
 
 def test_the_shipped_heads_card_holds_the_seed13_report_grids_headline():
-    from huggingface_hub import EvalResult, ModelCard
-
-    from sparsekv import ScorerAdapter
-    from sparsekv.evaluation.reports import card
-    from sparsekv.scoring.card import headline_eval_results
-
-    root = Path(__file__).resolve().parents[1]
-    shipped = root / "checkpoints" / "gemma3-270m-sparsekv"  # the store-trained head
-    head = card.headline(root / "docs" / "results" / "generalize-4k-s13")
-    assert (
-        head["adapter_hash"] == "e18027c3c6907a159ce340781c16d97b99bf8d3a171338cb85d8e80de1f58168"
+    head, shares = _card_shares(  # the store-trained head
+        "gemma3-270m-sparsekv",
+        "generalize-4k-s13",
+        "e18027c3c6907a159ce340781c16d97b99bf8d3a171338cb85d8e80de1f58168",
     )
     assert head["seed"] == 13 and head["samples"] == 30
-    assert ScorerAdapter.from_pretrained(shipped).fingerprint() == head["adapter_hash"]
-    data = ModelCard((shipped / "README.md").read_text()).data
-    assert data.eval_results == [EvalResult(**r) for r in headline_eval_results(head)]
-    shares = {
-        r.dataset_config: r.metric_value
-        for r in data.eval_results
-        if r.metric_type == "share_of_full_cache"
-    }
     assert round(shares["qa"], 2) == 0.39 and round(shares["all"], 2) == 0.91

@@ -14,6 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root
+
+from sparsekv.io import read_jsonl, write_atomic
+
 
 def index(row: dict) -> int:
     return int(row["sample_id"].rsplit("-", 1)[1])
@@ -21,16 +25,14 @@ def index(row: dict) -> int:
 
 def main(grid: Path, quick: Path, out: Path, n: int) -> None:
     rows, quick_full = [], {}
-    for line in open(quick / "results.jsonl"):
-        r = json.loads(line)
+    for r in read_jsonl(quick / "results.jsonl"):
         if index(r) < n:
             if r["policy"] == "full":
                 quick_full[r["sample_id"]] = r
             else:
                 rows.append(r)
     equal = 0
-    for line in open(grid / "results.jsonl"):
-        r = json.loads(line)
+    for r in read_jsonl(grid / "results.jsonl"):
         if r["protocol"] != "agnostic" or index(r) >= n or r["policy"] not in ("full", "learned"):
             continue
         if r["policy"] == "full":
@@ -47,8 +49,7 @@ def main(grid: Path, quick: Path, out: Path, n: int) -> None:
     if equal != len(quick_full):
         raise SystemExit(f"{len(quick_full)} full-cache rows here, {equal} matched in {grid}")
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_atomic(out / "results.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} rows; {equal} full-cache rows equal in both folders")
 
 
